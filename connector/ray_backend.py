@@ -1,0 +1,139 @@
+"""Ray-side NIXL connector backends: per-replica ports, engine ids and request shaping.
+
+Ray Serve LLM 2.60 creates one backend per engine (``LLMConfig.setup_engine_backend``)
+before the engine starts, publishes ``replica_metadata()`` of the prefill replica that
+the decode orchestrator binds (``choose_replica``), and asks the backend to shape both
+legs. Ray ships a backend for ``NixlConnector`` (pull) only; an unregistered name such as
+``NixlPushConnector`` silently gets a default that sets no ports, host or engine id. So
+we register our own for both vLLM connector names:
+
+* push (``requires_peer_binding`` + ``concurrent_handoff``): the decode leg carries the
+  bound prefill engine's identity and both legs go out at once with one request id;
+* pull (default sequential protocol): decode READs using what prefill returned.
+
+Pinned to ray 2.60 (``BaseConnectorBackend`` protocol) and vLLM 0.29.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+from ray import serve
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
+    BaseConnectorBackend,
+    DefaultPDProtocolMixin,
+    clamp_request_to_single_token,
+)
+from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
+from connector.params import (
+    CONNECTOR_CLASS,
+    PeerIdentity,
+    TransferMode,
+    engine_request_id,
+    pull_prefill_params,
+    push_decode_params,
+    push_prefill_params,
+)
+from connector.ports import make_engine_id
+
+logger = logging.getLogger("rendezvous.connector")
+
+
+def _endpoint(request: Any) -> str:
+    return "chat" if hasattr(request, "messages") else "completions"
+
+
+class _RendezvousNixlBackend(BaseConnectorBackend):
+    """Shared setup: plan this replica's side channel, apply the engine env, set the id."""
+
+    _identity: PeerIdentity | None = None
+
+    def _settings(self) -> EngineSettings:
+        try:
+            raw = self.llm_config.experimental_configs[SETTINGS_KEY]
+        except KeyError:
+            raise ValueError(
+                f"{type(self).__name__} needs experimental_configs['{SETTINGS_KEY}'], which "
+                "app.builder writes; build the app with app.builder:build_app"
+            ) from None
+        return EngineSettings.from_dict(raw)
+
+    def setup(self) -> None:
+        settings = self._settings()
+        role = settings.role
+        kwargs = self.llm_config.engine_kwargs
+        dp_size = int(kwargs.get("data_parallel_size") or 1)
+        rank = serve.get_replica_context().rank.rank
+        host = ray.util.get_node_ip_address()
+        port = settings.ports.port(role, rank, dp_size)
+        env = engine_env(side_channel_host=host, side_channel_port=port, user_env=settings.env)
+        # The one place that writes the engine environment: the engine processes that
+        # vLLM spawns next inherit it.
+        os.environ.update(env)
+        engine_id = make_engine_id(role, rank, host, port)
+        # In place: the engine config was cached with a reference to this dict.
+        self.kv_transfer_config["engine_id"] = engine_id
+        self._identity = PeerIdentity(
+            engine_id=engine_id,
+            host=host,
+            port=port,
+            tp_size=int(kwargs.get("tensor_parallel_size") or 1),
+            pp_size=int(kwargs.get("pipeline_parallel_size") or 1),
+        )
+        logger.info(
+            "NIXL %s engine %s: side channel %s:%d, env %s",
+            role.value, engine_id, host, port, sorted(env),
+        )
+
+    def replica_metadata(self) -> dict[str, Any]:
+        return self._identity.to_metadata() if self._identity else {}
+
+
+class NixlPushBackend(_RendezvousNixlBackend):
+    """Push: decode registers its blocks with the bound prefill engine, which WRITEs."""
+
+    requires_peer_binding = True
+    concurrent_handoff = True
+
+    def prepare_prefill_request(self, *, request, peer):
+        prefill = request.model_copy(deep=True)
+        prefill.request_id = request.request_id
+        prefill.kv_transfer_params = push_prefill_params()
+        clamp_request_to_single_token(prefill)
+        return prefill
+
+    def prepare_decode_request(self, *, request, peer, prefill_response):
+        prefill_peer = PeerIdentity.from_metadata(peer)
+        decode = request.model_copy(deep=True)
+        decode.request_id = request.request_id
+        decode.kv_transfer_params = push_decode_params(
+            prefill_peer, engine_request_id(_endpoint(request), request.request_id)
+        )
+        return decode
+
+
+class NixlPullBackend(DefaultPDProtocolMixin, _RendezvousNixlBackend):
+    """Pull: prefill keeps its blocks; decode READs them using prefill's response."""
+
+    def prepare_prefill_request(self, *, request, peer):
+        prefill = super().prepare_prefill_request(request=request, peer=peer)
+        prefill.kv_transfer_params = pull_prefill_params()
+        return prefill
+
+
+BACKENDS = {
+    CONNECTOR_CLASS[TransferMode.PUSH]: f"{__name__}:NixlPushBackend",
+    CONNECTOR_CLASS[TransferMode.PULL]: f"{__name__}:NixlPullBackend",
+}
+
+
+def register_backends() -> None:
+    """Register our backends with Ray's cluster-wide registry (idempotent)."""
+    for name, path in BACKENDS.items():
+        if not KVConnectorBackendFactory.is_registered(name):
+            KVConnectorBackendFactory.register_backend(name, path)
