@@ -1,5 +1,5 @@
 # Two commands a newcomer needs: `make serve` and `make test`. Both bootstrap .venv.
-PYTHON ?= python3.11
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rendezvous-installed

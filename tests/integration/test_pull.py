@@ -1,0 +1,29 @@
+"""1 prefill + 1 decode in pull mode (configs/local-cpu-pull.yaml): the baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.cases import CASE_BY_NAME, CASES, STREAMED, assert_kv_travelled, assert_stream_identical, assert_token_identical
+from tests.integration.conftest import app_client
+
+CONFIG = "configs/local-cpu-pull.yaml"
+
+
+@pytest.fixture(scope="module")
+def client(log_dir):
+    yield from app_client(CONFIG, log_dir)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_greedy_output_is_token_identical_to_a_single_engine(client, reference, case):
+    assert_token_identical(client, reference, case)
+
+
+@pytest.mark.parametrize("name", STREAMED[:2])
+def test_streamed_output_is_identical_to_a_single_engine(client, reference, name):
+    assert_stream_identical(client, reference, CASE_BY_NAME[name])
+
+
+def test_kv_was_read_by_decode_not_recomputed(client, reference):
+    assert_kv_travelled(client, reference, CONFIG, writer="decode")

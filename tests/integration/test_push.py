@@ -1,0 +1,145 @@
+"""1 prefill + 1 decode in push mode (configs/local-cpu.yaml, the README's default)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import random
+
+import openai
+import pytest
+
+from tests.integration.app_process import BASE_URL
+from tests.integration.cases import (
+    CASE_BY_NAME,
+    CASES,
+    STREAMED,
+    Case,
+    assert_kv_travelled,
+    assert_stream_identical,
+    assert_token_identical,
+    long_text,
+    parse_generation,
+)
+from tests.integration.conftest import app_client
+
+CONFIG = "configs/local-cpu.yaml"
+
+
+@pytest.fixture(scope="module")
+def client(log_dir):
+    yield from app_client(CONFIG, log_dir)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_greedy_output_is_token_identical_to_a_single_engine(client, reference, case):
+    assert_token_identical(client, reference, case)
+
+
+@pytest.mark.parametrize("name", STREAMED)
+def test_streamed_output_is_identical_to_a_single_engine(client, reference, name):
+    assert_stream_identical(client, reference, CASE_BY_NAME[name])
+
+
+def test_kv_was_pushed_by_prefill_not_recomputed_by_decode(client, reference):
+    assert_kv_travelled(client, reference, CONFIG, writer="prefill")
+
+
+def test_usage_counts(client):
+    r = client.post("/v1/chat/completions", json=CASE_BY_NAME["chat-short"].body(max_tokens=5))
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == 5
+    assert usage["prompt_tokens"] == len(r.json()["prompt_token_ids"])
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 5
+
+
+def test_stock_openai_client_works_unchanged(client, reference):
+    oai = openai.OpenAI(base_url=f"{BASE_URL}/v1", api_key="not-needed")
+    assert [m.id for m in oai.models.list().data] == ["SmolLM2-135M-Instruct"]
+
+    chat = CASE_BY_NAME["chat-short"]
+    expected = chat.reference(reference, 24).text
+    reply = oai.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=chat.messages, temperature=0, max_tokens=24
+    )
+    assert reply.choices[0].message.content == expected
+
+    stream = oai.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=chat.messages, temperature=0, max_tokens=24, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+    completion = CASE_BY_NAME["completion-short"]
+    reply = oai.completions.create(
+        model="SmolLM2-135M-Instruct", prompt=completion.prompt, temperature=0, max_tokens=24
+    )
+    assert reply.choices[0].text == completion.reference(reference, 24).text
+
+
+def test_health_route(client):
+    r = client.http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+@pytest.mark.slow
+def test_32_concurrent_mixed_requests_are_all_correct(client, reference):
+    """Under concurrency vLLM on CPU is not batch-invariant, so each answer is checked by
+    teacher forcing: every generated token must be (near-)argmax for the reference engine
+    reading that request's own prompt and answer. A swapped or corrupted KV fails this."""
+    rng = random.Random(7)
+    cases = []
+    for i in range(32):
+        length = rng.choice([5, 40, 200, 600, 1200])
+        if i % 2:
+            cases.append(Case(f"c{i}", messages=[{"role": "user", "content": long_text(length // 12 + 1) + f" Summarise note {i}."}]))
+        else:
+            cases.append(Case(f"c{i}", prompt=long_text(length // 12 + 1) + f"\nNote {i} says"))
+    max_tokens = [rng.choice([8, 16, 32, 48]) for _ in cases]
+
+    def send(i):
+        r = client.post(cases[i].endpoint, json=cases[i].body(max_tokens=max_tokens[i]))
+        assert r.status_code == 200, r.text
+        return parse_generation(cases[i], r.json())
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(send, range(32)))
+
+    worst = []
+    for case, got, limit in zip(cases, results, max_tokens):
+        assert 0 < len(got.token_ids) <= limit
+        gaps = reference.teacher_forcing_gaps(got.prompt_ids, got.token_ids)
+        worst.append((max(gaps), case.name))
+    bad = [(gap, name) for gap, name in worst if gap > 1.0]
+    assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
+
+
+# Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.
+MODEL = "SmolLM2-135M-Instruct"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+BAD = [
+    ("malformed-json", CHAT, {"content": b'{"model": "SmolLM2', "headers": {"content-type": "application/json"}}),
+    ("unknown-model", CHAT, {"json": {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}}),
+    ("max-tokens-0", COMPLETIONS, {"json": {"model": MODEL, "prompt": "hi", "max_tokens": 0}}),
+    ("negative-max-tokens", CHAT, {"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}}),
+    ("prompt-over-context", COMPLETIONS, {"json": {"model": MODEL, "prompt": long_text(420), "max_tokens": 4}}),
+    ("empty-messages", CHAT, {"json": {"model": MODEL, "messages": []}}),
+    ("messages-not-a-list", CHAT, {"json": {"model": MODEL, "messages": "hi"}}),
+    ("max-tokens-a-string", CHAT, {"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}}),
+    ("temperature-a-string", COMPLETIONS, {"json": {"model": MODEL, "prompt": "hi", "temperature": "hot"}}),
+    ("missing-prompt", COMPLETIONS, {"json": {"model": MODEL}}),
+    ("message-without-role", CHAT, {"json": {"model": MODEL, "messages": [{"content": "hi"}]}}),
+]
+
+
+@pytest.mark.parametrize("name, path, request_kwargs", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_openai_error_and_the_server_keeps_serving(client, name, path, request_kwargs):
+    r = client.post(path, **request_kwargs)
+    assert 400 <= r.status_code < 500, f"{name}: {r.status_code} {r.text[:500]}"
+    body = r.json()
+    assert isinstance(body.get("error"), dict), f"{name}: not an OpenAI error body: {body}"
+    assert body["error"]["message"], body
+    assert "Traceback" not in r.text
+
+    ok = client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3})
+    assert ok.status_code == 200, f"server stopped serving after {name}: {ok.text}"

@@ -1,0 +1,405 @@
+"""Pins of the Ray Serve LLM and vLLM internals we build on.
+
+An upgrade that moves any of these fails here, in seconds, instead of at runtime inside
+a replica. Nothing is started: Ray modules are imported, never ``ray.init``.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+import vllm
+import vllm.envs
+from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+from ray.llm._internal.serve.core.server.builder import build_llm_deployment
+from ray.llm._internal.serve.engines.vllm.kv_transfer import base as ray_kv_base
+from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
+from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
+
+import connector.ray_backend as ray_backend
+from app.args import AppArgs
+from app.llm_configs import llm_config
+from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
+from connector.params import (
+    CONNECTOR_CLASS,
+    PeerIdentity,
+    TransferMode,
+    pull_prefill_params,
+    push_decode_params,
+    push_prefill_params,
+)
+from connector.ports import Role
+from connector.ray_backend import BACKENDS, NixlPullBackend, NixlPushBackend, register_backends
+
+VLLM_DIR = Path(vllm.__file__).parent
+PEER = PeerIdentity(engine_id="prefill-r0-10.0.0.5-20000-abc123", host="10.0.0.5", port=20000, tp_size=2, pp_size=1)
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def test_pinned_versions():
+    assert ray.__version__ == "2.60.0"
+    assert vllm.__version__.startswith("0.29"), vllm.__version__
+
+
+# --------------------------------------------------------------------------- Ray: connector backend protocol
+
+
+def test_base_connector_backend_protocol():
+    assert BaseConnectorBackend.requires_peer_binding is False
+    assert BaseConnectorBackend.concurrent_handoff is False
+    assert {"prepare_prefill_request", "prepare_decode_request"} <= BaseConnectorBackend.__abstractmethods__
+    for method, params in [
+        ("prepare_prefill_request", ["request", "peer"]),
+        ("prepare_decode_request", ["request", "peer", "prefill_response"]),
+    ]:
+        signature = inspect.signature(getattr(BaseConnectorBackend, method))
+        names = [n for n in signature.parameters if n != "self"]
+        assert names == params, (method, names)
+        kinds = {signature.parameters[n].kind for n in names}
+        assert kinds == {inspect.Parameter.KEYWORD_ONLY}, (method, kinds)
+    # Our backends fill in the protocol: both are concrete.
+    for cls in (NixlPushBackend, NixlPullBackend):
+        assert not getattr(cls, "__abstractmethods__", frozenset()), cls
+        assert inspect.signature(cls.prepare_prefill_request).parameters.keys() == inspect.signature(
+            BaseConnectorBackend.prepare_prefill_request
+        ).parameters.keys()
+        assert inspect.signature(cls.prepare_decode_request).parameters.keys() == inspect.signature(
+            BaseConnectorBackend.prepare_decode_request
+        ).parameters.keys()
+
+
+def test_base_backend_helpers_we_use():
+    assert callable(ray_kv_base.clamp_request_to_single_token)
+    assert hasattr(ray_kv_base, "DefaultPDProtocolMixin")
+    assert isinstance(inspect.getattr_static(BaseConnectorBackend, "kv_transfer_config"), property)
+    assert "llm_config" in inspect.signature(BaseConnectorBackend.__init__).parameters
+    for name in ("setup", "replica_metadata"):
+        assert callable(getattr(BaseConnectorBackend, name))
+
+
+def test_our_backend_flags():
+    assert NixlPushBackend.requires_peer_binding is True
+    assert NixlPushBackend.concurrent_handoff is True
+    assert NixlPullBackend.requires_peer_binding is False
+    assert NixlPullBackend.concurrent_handoff is False
+
+
+def test_backend_factory_api():
+    for name in ("register_backend", "is_registered", "get_backend_class", "create_backend"):
+        assert callable(getattr(KVConnectorBackendFactory, name)), name
+    assert list(inspect.signature(KVConnectorBackendFactory.register_backend).parameters) == ["name", "backend_class_or_path"]
+
+
+def test_llmconfig_creates_the_backend_by_kv_connector_name():
+    """Ray looks up ``kv_transfer_config['kv_connector']``: the names we register under."""
+    source = inspect.getsource(LLMConfig._setup_kv_connector_backend)
+    assert 'kv_transfer_config.get("kv_connector")' in source
+    assert "KVConnectorBackendFactory.create_backend" in source
+    assert set(BACKENDS) == set(CONNECTOR_CLASS.values())
+
+
+@pytest.fixture
+def registered_backends():
+    fresh = [name for name in BACKENDS if not KVConnectorBackendFactory.is_registered(name)]
+    register_backends()
+    yield
+    for name in fresh:
+        KVConnectorBackendFactory.unregister_backend(name)
+
+
+def test_registered_backends_resolve_to_our_classes(registered_backends):
+    assert not ray.is_initialized()  # the registry works process-locally without Ray
+    register_backends()  # idempotent
+    assert KVConnectorBackendFactory.get_backend_class(CONNECTOR_CLASS[TransferMode.PUSH]) is NixlPushBackend
+    assert KVConnectorBackendFactory.get_backend_class(CONNECTOR_CLASS[TransferMode.PULL]) is NixlPullBackend
+
+
+def test_engine_config_shares_kv_transfer_config_with_llm_config():
+    """setup() writes engine_id into kv_transfer_config in place; the engine must see it."""
+    config = LLMConfig.model_validate(llm_config(AppArgs.parse({}), Role.PREFILL, "/some/path"))
+    engine_config = config.get_engine_config()
+    ktc = config.engine_kwargs["kv_transfer_config"]
+    assert engine_config.engine_kwargs["kv_transfer_config"] is ktc
+    assert engine_config.get_initialization_kwargs()["kv_transfer_config"] is ktc
+
+
+# --------------------------------------------------------------------------- Ray: PD servers and builder
+
+
+def test_pd_servers():
+    assert callable(PDDecodeServer._pd_handle_request)
+    assert callable(PDDecodeServer._concurrent_decode)
+    assert list(inspect.signature(PDDecodeServer._pd_handle_request).parameters) == ["self", "request", "raw_request_info"]
+    for method in ("chat", "completions"):
+        assert list(inspect.signature(getattr(PDDecodeServer, method)).parameters) == ["self", "request", "raw_request_info"]
+    assert "prefill_server" in inspect.signature(PDDecodeServer.__init__).parameters
+    assert callable(PDPrefillServer.record_replica_metadata)
+
+
+def test_build_llm_deployment_signature():
+    params = inspect.signature(build_llm_deployment).parameters
+    for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
+        assert name in params, name
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_decode_server_gives_each_request_a_fresh_transfer_id():
+    from app.servers import DecodeServer, PrefillServer
+
+    assert issubclass(DecodeServer, PDDecodeServer) and issubclass(PrefillServer, PDPrefillServer)
+    server = DecodeServer.__new__(DecodeServer)
+    seen = []
+    server._pd_handle_request = lambda request, raw=None: seen.append((request, raw)) or "stream"
+    # As the ingress hands them over: request_id is a default, not explicitly set.
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    completion = CompletionRequest(model="m", prompt="hi")
+    assert "request_id" not in chat.model_fields_set | completion.model_fields_set
+    original_ids = (chat.request_id, completion.request_id)
+
+    assert asyncio.run(server.chat(chat, "raw")) == "stream"
+    asyncio.run(server.chat(chat))
+    asyncio.run(server.completions(completion))
+    ids = [request.request_id for request, _ in seen]
+    assert all(i.startswith("rdv-") for i in ids) and len(set(ids)) == 3
+    # Explicitly set, so Ray's LLMServer does not replace it with Serve's request id.
+    assert all("request_id" in request.model_fields_set for request, _ in seen)
+    assert seen[0][1] == "raw"
+    assert (chat.request_id, completion.request_id) == original_ids  # originals untouched
+    assert not set(ids) & set(original_ids)
+
+
+def test_llm_server_keeps_an_explicitly_set_request_id(monkeypatch):
+    """Both legs must reach their engines under our transfer id, not Serve's per-replica id."""
+    from ray.llm._internal.serve.core.server import llm_server
+
+    monkeypatch.setattr(llm_server, "get_serve_request_id", lambda: "serve-id")
+    stamp = llm_server.LLMServer._maybe_add_request_id_to_request
+    explicit = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], request_id="rdv-x")
+    implicit = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    asyncio.run(stamp(None, explicit))
+    asyncio.run(stamp(None, implicit))
+    assert explicit.request_id == "rdv-x"
+    assert implicit.request_id == "serve-id"
+
+
+def test_vllm_engine_makes_the_request_id_the_x_request_id_header():
+    """vLLM's OpenAI layer prefers X-Request-Id; Ray overwrites a client's with ours."""
+    from ray.llm._internal.serve.core.protocol import RawRequestInfo
+    from ray.llm._internal.serve.engines.vllm.vllm_engine import _canonicalize_request_id_header
+
+    raw = RawRequestInfo(headers={"X-Request-Id": "client-chosen", "other": "kept"})
+    headers = _canonicalize_request_id_header(SimpleNamespace(request_id="rdv-x"), raw).headers
+    assert headers == {"x-request-id": "rdv-x", "other": "kept"}
+    assert _canonicalize_request_id_header(SimpleNamespace(request_id="rdv-x"), None).headers == {"x-request-id": "rdv-x"}
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "VLLM_NIXL_SIDE_CHANNEL_HOST",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT",
+        "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION",
+        "VLLM_CPU_KVCACHE_SPACE",
+        "VLLM_CPU_OMP_THREADS_BIND",
+    ],
+)
+def test_vllm_reads_the_env_we_set(name):
+    assert name in vllm.envs.environment_variables
+
+
+def _push_sources() -> str:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata, push_scheduler
+
+    return inspect.getsource(push_scheduler) + inspect.getsource(metadata)
+
+
+@pytest.mark.parametrize("key", [k for k in push_decode_params(PEER, "chatcmpl-rdv-x") if k != "pp_size"])
+def test_vllm_push_scheduler_reads_our_decode_keys(key):
+    source = _push_sources()
+    assert f'"{key}"' in source or f"'{key}'" in source, f"vLLM's NIXL push path no longer reads {key!r}"
+
+
+def test_our_decode_leg_has_every_key_vllms_push_scheduler_requires():
+    """The reverse direction: every ``params["..."]`` the decode side reads, we send."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_scheduler
+
+    tree = ast.parse(inspect.getsource(push_scheduler))
+    function = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "update_state_after_alloc"
+    )
+    required = {
+        node.slice.value
+        for node in ast.walk(function)
+        if isinstance(node, ast.Subscript)
+        and isinstance(node.ctx, ast.Load)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "params"
+        and isinstance(node.slice, ast.Constant)
+    }
+    assert required, "found no required keys; the scanner is out of date"
+    missing = required - set(push_decode_params(PEER, "chatcmpl-rdv-x"))
+    assert not missing, f"vLLM's push scheduler requires {sorted(missing)}"
+
+
+@pytest.mark.parametrize(
+    "path, prefix",
+    [
+        ("entrypoints/openai/chat_completion/serving.py", 'f"chatcmpl-{self._base_request_id(raw_request, request.request_id)}"'),
+        ("entrypoints/openai/completion/serving.py", 'f"cmpl-{self._base_request_id(raw_request, request.request_id)}"'),
+    ],
+)
+def test_vllm_internal_request_id_prefixes(path, prefix):
+    """connector.params.engine_request_id assumes these prefixes (remote_request_id)."""
+    assert prefix in (VLLM_DIR / path).read_text()
+
+
+# --------------------------------------------------------------------------- our backends on real request models
+
+
+def _backend(cls, args: dict | None = None, role: Role = Role.DECODE):
+    return cls(LLMConfig.model_validate(llm_config(AppArgs.parse(args or {}), role, "/some/path")))
+
+
+def _chat(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "hello"}],
+        request_id="rdv-x",
+        **kwargs,
+    )
+
+
+def _completion(**kwargs) -> CompletionRequest:
+    return CompletionRequest(model="SmolLM2-135M-Instruct", prompt="hello", request_id="rdv-x", **kwargs)
+
+
+REQUESTS = [
+    pytest.param(_chat, "chatcmpl-rdv-x", id="chat"),
+    pytest.param(_completion, "cmpl-rdv-x", id="completions"),
+]
+
+
+@pytest.mark.parametrize("make, _", REQUESTS)
+@pytest.mark.parametrize("stream", [True, False])
+def test_push_prefill_leg(make, _, stream):
+    backend = _backend(NixlPushBackend)
+    request = make(max_tokens=50, stream=stream)
+    before = request.model_dump()
+    prefill = backend.prepare_prefill_request(request=request, peer=PEER.to_metadata())
+    assert prefill is not request
+    assert prefill.max_tokens == 1
+    assert prefill.stream is False
+    assert prefill.kv_transfer_params == push_prefill_params()
+    assert prefill.request_id == "rdv-x"
+    assert "request_id" in prefill.model_fields_set
+    assert request.model_dump() == before
+
+
+def test_push_prefill_leg_clamps_chat_specific_fields():
+    request = _chat(max_completion_tokens=50, stream=True, stream_options={"include_usage": True})
+    prefill = _backend(NixlPushBackend).prepare_prefill_request(request=request, peer=PEER.to_metadata())
+    assert prefill.max_completion_tokens == 1
+    assert prefill.stream_options is None
+    assert request.max_completion_tokens == 50 and request.stream_options is not None
+
+
+@pytest.mark.parametrize("make, remote_request_id", REQUESTS)
+@pytest.mark.parametrize("stream", [True, False])
+def test_push_decode_leg(make, remote_request_id, stream):
+    backend = _backend(NixlPushBackend)
+    request = make(max_tokens=50, stream=stream)
+    before = request.model_dump()
+    decode = backend.prepare_decode_request(request=request, peer=PEER.to_metadata(), prefill_response=None)
+    assert decode is not request
+    assert decode.max_tokens == 50
+    assert decode.stream is stream
+    assert decode.request_id == "rdv-x"
+    assert "request_id" in decode.model_fields_set
+    assert decode.kv_transfer_params == push_decode_params(PEER, remote_request_id)
+    assert decode.kv_transfer_params["remote_request_id"] == remote_request_id
+    assert decode.kv_transfer_params["remote_engine_id"] == PEER.engine_id
+    assert decode.kv_transfer_params["do_remote_prefill"] is True
+    assert request.model_dump() == before
+    assert request.kv_transfer_params is None
+
+
+@pytest.mark.parametrize("peer", [None, {}, {"host": "10.0.0.5", "port": 20000}])
+def test_push_decode_leg_without_peer_identity_is_refused(peer):
+    with pytest.raises(ValueError, match="published no NIXL identity"):
+        _backend(NixlPushBackend).prepare_decode_request(request=_chat(), peer=peer, prefill_response=None)
+
+
+@pytest.mark.parametrize("make, _", REQUESTS)
+def test_pull_legs(make, _):
+    backend = _backend(NixlPullBackend, {"mode": "pull"})
+    request = make(max_tokens=50, stream=True)
+    before = request.model_dump()
+    prefill = backend.prepare_prefill_request(request=request, peer=None)
+    assert prefill.max_tokens == 1 and prefill.stream is False
+    assert prefill.kv_transfer_params == pull_prefill_params()
+    returned = {"do_remote_prefill": True, "remote_engine_id": "p", "remote_block_ids": [1, 2]}
+    decode = backend.prepare_decode_request(
+        request=request, peer=None, prefill_response=SimpleNamespace(kv_transfer_params=returned)
+    )
+    assert decode.kv_transfer_params == returned
+    assert decode.max_tokens == 50 and decode.stream is True
+    assert request.model_dump() == before
+
+
+# --------------------------------------------------------------------------- setup(), with Ray's lookups faked
+
+
+def test_backend_without_our_settings_says_how_to_build():
+    raw = llm_config(AppArgs.parse({}), Role.DECODE, "/some/path")
+    del raw["experimental_configs"]
+    backend = NixlPushBackend(LLMConfig.model_validate(raw))
+    assert backend.replica_metadata() == {}
+    with pytest.raises(ValueError, match="app.builder:build_app"):
+        backend.setup()
+
+
+@pytest.mark.parametrize(
+    "cls, role, args, rank, port, tp",
+    [
+        (NixlPushBackend, Role.DECODE, {}, 2, 22002, 1),
+        (NixlPushBackend, Role.PREFILL, {"prefill": {"engine_kwargs": {"tensor_parallel_size": 2}}}, 0, 20000, 2),
+        (NixlPullBackend, Role.PREFILL, {"mode": "pull", "engine_kwargs": {"data_parallel_size": 2}}, 3, 20006, 1),
+    ],
+)
+def test_setup_plans_the_side_channel_and_publishes_the_identity(monkeypatch, cls, role, args, rank, port, tp):
+    backend = _backend(cls, args, role)
+    settings = EngineSettings.from_dict(backend.llm_config.experimental_configs[SETTINGS_KEY])
+    # Register every variable setup() writes so that monkeypatch restores os.environ.
+    for key in engine_env(side_channel_host="h", side_channel_port=1, user_env=settings.env):
+        monkeypatch.setenv(key, "before")
+    monkeypatch.setattr(ray_backend.serve, "get_replica_context", lambda: SimpleNamespace(rank=SimpleNamespace(rank=rank)))
+    monkeypatch.setattr(ray_backend.ray.util, "get_node_ip_address", lambda: "10.0.0.9")
+    engine_config = backend.llm_config.get_engine_config()
+
+    backend.setup()
+
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.9"
+    assert os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(port)
+    assert os.environ["VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"] == "1"
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    engine_id = backend.kv_transfer_config["engine_id"]
+    assert engine_id.startswith(f"{role.value}-r{rank}-10.0.0.9-{port}-")
+    # Written in place: what vLLM will be started with carries the same id.
+    assert engine_config.get_initialization_kwargs()["kv_transfer_config"]["engine_id"] == engine_id
+    identity = PeerIdentity.from_metadata(backend.replica_metadata())
+    assert identity == PeerIdentity(engine_id=engine_id, host="10.0.0.9", port=port, tp_size=tp, pp_size=1)
+    assert not ray.is_initialized()
