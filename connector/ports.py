@@ -49,8 +49,17 @@ class PortPlan:
         return self.base(role) + offset
 
     def check_fits(self, role: Role, replicas: int, dp_size: int = 1) -> None:
-        """Fail at build time if ``replicas`` cannot all get ports."""
+        """Fail at build time if ``replicas`` replicas cannot all get ports.
+
+        Pass the most replicas the role can have: its fixed replica count, or its
+        autoscaling ``max_replicas`` (replica ranks run up to that minus one).
+        """
         self.port(role, replicas - 1, dp_size)
+
+    def ports(self, role: Role, max_replicas: int, dp_size: int = 1) -> list[int]:
+        """Every side-channel port the role's engines can bind (each replica × DP rank)."""
+        dp = max(1, dp_size)
+        return [self.port(role, rank, dp) + i for rank in range(max_replicas) for i in range(dp)]
 
 
 def make_engine_id(role: Role, replica_rank: int, host: str, port: int, nonce: str | None = None) -> str:

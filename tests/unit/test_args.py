@@ -155,7 +155,7 @@ def test_free_form_dicts_accept_any_key():
         ({"engine_kwargs": []}, "engine_kwargs", "valid dictionary"),
         ({"decode": {"engine_kwargs": "x"}}, "decode.engine_kwargs", "valid dictionary"),
         ({"mode": "bogus"}, "mode", "'push' or 'pull'"),
-        ({"accelerator": "tpu"}, "accelerator", "'cpu' or 'gpu'"),
+        ({"accelerator": "tpu"}, "accelerator", "'cpu', 'gpu' or 'neuron'"),
         ({"nixl": {"backends": "UCX"}}, "nixl.backends", "valid list"),
         ({"nixl": {"backends": []}}, "nixl.backends", "at least 1 item"),
         ({"nixl": {"prefill_port_base": "low"}}, "nixl.prefill_port_base", "valid integer"),
@@ -320,7 +320,8 @@ def test_config_file_parses(path: Path):
     applications = config["applications"]
     assert applications, f"{path.name}: no applications"
     app = applications[0]
-    assert app["import_path"] == "app.builder:build_app", path.name
+    # The disaggregated app, or the benchmarks' aggregated baseline over the same args.
+    assert app["import_path"] in ("app.builder:build_app", "app.aggregated:build_aggregated_app"), path.name
     args = AppArgs.parse(app.get("args"))
     assert isinstance(args, AppArgs)
     # What the file says is what we got (the parse did not drop anything silently).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import types
 import inspect
 import os
 from pathlib import Path
@@ -154,29 +155,78 @@ def test_build_llm_deployment_signature():
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
+def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
+    """A DecodeServer without an engine: the orchestration and local paths are fakes."""
+    from app.servers import DecodeServer
+
+    server = DecodeServer.__new__(DecodeServer)
+    server._local_below = local_below
+    server._tokenizer = None
+    server._count_prompt_tokens = lambda request: prompt_tokens
+    server._ongoing = server._tokens_in_flight = 0
+    server._requests = types.SimpleNamespace(inc=lambda tags: server.paths.append(tags["prefill"]))
+    server.paths, server.seen, server.load = [], [], []
+
+    async def remote(request, raw=None):
+        server.seen.append((request, raw))
+        server.load.append((server._ongoing, server._tokens_in_flight))
+        yield "remote-chunk"
+
+    server._pd_handle_request = remote
+    return server
+
+
+def _drain(server, method, *args):
+    async def go():
+        return [chunk async for chunk in await getattr(server, method)(*args)]
+
+    return asyncio.run(go())
+
+
 def test_decode_server_gives_each_request_a_fresh_transfer_id():
     from app.servers import DecodeServer, PrefillServer
 
     assert issubclass(DecodeServer, PDDecodeServer) and issubclass(PrefillServer, PDPrefillServer)
-    server = DecodeServer.__new__(DecodeServer)
-    seen = []
-    server._pd_handle_request = lambda request, raw=None: seen.append((request, raw)) or "stream"
+    server = _decode_server()
     # As the ingress hands them over: request_id is a default, not explicitly set.
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     completion = CompletionRequest(model="m", prompt="hi")
     assert "request_id" not in chat.model_fields_set | completion.model_fields_set
     original_ids = (chat.request_id, completion.request_id)
 
-    assert asyncio.run(server.chat(chat, "raw")) == "stream"
-    asyncio.run(server.chat(chat))
-    asyncio.run(server.completions(completion))
-    ids = [request.request_id for request, _ in seen]
+    assert _drain(server, "chat", chat, "raw") == ["remote-chunk"]
+    _drain(server, "chat", chat)
+    _drain(server, "completions", completion)
+    ids = [request.request_id for request, _ in server.seen]
     assert all(i.startswith("rdv-") for i in ids) and len(set(ids)) == 3
     # Explicitly set, so Ray's LLMServer does not replace it with Serve's request id.
-    assert all("request_id" in request.model_fields_set for request, _ in seen)
-    assert seen[0][1] == "raw"
+    assert all("request_id" in request.model_fields_set for request, _ in server.seen)
+    assert server.seen[0][1] == "raw"
     assert (chat.request_id, completion.request_id) == original_ids  # originals untouched
     assert not set(ids) & set(original_ids)
+
+
+def test_decode_server_counts_load_while_a_request_is_in_flight():
+    server = _decode_server(prompt_tokens=40)
+    _drain(server, "completions", CompletionRequest(model="m", prompt="hi", max_tokens=10))
+    assert server.load == [(1, 50)]
+    assert (server._ongoing, server._tokens_in_flight) == (0, 0)
+
+
+@pytest.mark.parametrize("prompt_tokens, expected", [(3, "local"), (15, "local"), (16, "remote"), (400, "remote")])
+def test_decode_server_prefills_short_prompts_locally(monkeypatch, prompt_tokens, expected):
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    async def local_chat(self, request, raw=None):
+        async def gen():
+            yield "local-chunk"
+
+        return gen()
+
+    monkeypatch.setattr(LLMServer, "chat", local_chat)
+    server = _decode_server(local_below=16, prompt_tokens=prompt_tokens)
+    chunks = _drain(server, "chat", ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
+    assert chunks == [f"{expected}-chunk"] and server.paths == [expected]
 
 
 def test_llm_server_keeps_an_explicitly_set_request_id(monkeypatch):

