@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rendezvous-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: serve test unit install model clean-procs
+.PHONY: serve test unit install model clean-procs bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,3 +35,7 @@ unit: $(STAMP)
 
 clean-procs:
 	$(BIN)/python -m app.procs --kill
+
+# The quick benchmark (docs/benchmarks.md): push, pull and one aggregated engine, < 15 min on 2 cores.
+bench-quick: model
+	$(BIN)/python -m bench sweep --profile cpu-quick

@@ -12,7 +12,7 @@ from app.procs import MARKER, kill_run, new_run_env
 
 def main(argv: list[str]) -> int:
     config = argv[0] if argv else "configs/local-cpu.yaml"
-    env = new_run_env()
+    env = new_run_env(keep_existing=True)
     run_id = env[MARKER]
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
     # Own session, so a terminal's Ctrl-C reaches serve run once, through us.
@@ -30,9 +30,8 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     try:
         code = child.wait()
-        # serve run shuts Serve and Ray down on SIGINT; give it time before we sweep.
     finally:
-        try:
+        try:  # serve run shuts Serve and Ray down on SIGINT; give it time before we sweep
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
             pass

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.model_source import resolve_model_source
-from tests.integration.metrics import delta
+from bench.engine_metrics import delta
 from tests.integration.reference import Generation, ReferenceEngine, app_args
 
 MAX_TOKENS = 32

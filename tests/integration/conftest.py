@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.integration.app_process import BASE_URL, AppProcess, busy_ports
-from tests.integration.metrics import RoleMetrics
+from app.procs import BASE_URL, AppProcess, busy_ports, orphaned_engines
+from bench.engine_metrics import RoleMetrics
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
@@ -20,6 +20,13 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "tests/integration/" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_engine_outlives_the_tests():
+    assert not orphaned_engines(), f"orphaned vLLM engines before the tests: {orphaned_engines()} (make clean-procs)"
+    yield
+    assert not orphaned_engines(), f"vLLM engines outlived the tests: {orphaned_engines()}"
 
 
 @pytest.fixture(scope="session")

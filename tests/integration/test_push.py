@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import csv
+import json
+import math
 import random
 
 import openai
 import pytest
 
-from tests.integration.app_process import BASE_URL
+from app.model_source import resolve_model_source
+from app.procs import BASE_URL
+from bench.plots import plot_results
+from bench.profiles import app_args_of, load_config
+from bench.results import COLUMNS, write_results
+from bench.sweep import run_point
+
 from tests.integration.cases import (
     CASE_BY_NAME,
     CASES,
@@ -143,3 +152,38 @@ def test_bad_input_is_a_4xx_openai_error_and_the_server_keeps_serving(client, na
 
     ok = client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3})
     assert ok.status_code == 200, f"server stopped serving after {name}: {ok.text}"
+
+
+# The benchmark's load step (bench/) against this app: vLLM's benchmark client, the engines'
+# NIXL metrics read back, well-formed results files and plots. Not a timing test.
+NUMERIC = ["ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "e2el_p99_ms",
+           "request_throughput_rps", "output_throughput_tps", "nixl_bytes_total_est_bucket_mid",
+           "nixl_bytes_per_transfer_est_bucket_mid", "nixl_xfer_time_mean_ms_est_bucket_mid"]
+
+
+@pytest.mark.slow
+def test_load_step_writes_well_formed_results(client, tmp_path):
+    args = app_args_of(load_config(CONFIG))
+    point = run_point(
+        BASE_URL, resolve_model_source(args.model.source), input_len=128, rate=2.0, num_prompts=4, output_len=8,
+        mode="push", metrics=client.metrics, model=args.model.id, raw_dir=tmp_path / "raw",
+    )
+    row = point.row
+    assert row["completed"] == 4 and row["failed"] == 0, point.raw.get("errors")
+    # Every request's KV travelled once, prefill -> decode, and Ray's export showed it.
+    assert row["transfer_metrics_settled"] is True
+    assert row["nixl_transfers"] == 4 and row["nixl_failed_transfers"] == 0
+    assert (tmp_path / "raw" / "push-in128-rate2.json").is_file()
+
+    json_path, csv_path = write_results(tmp_path, [row], {"profile": {"name": "smoke"}})
+    doc = json.loads(json_path.read_text())
+    assert doc["columns"] == COLUMNS and len(doc["rows"]) == 1
+    with open(csv_path) as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        (written,) = list(reader)
+    for column in NUMERIC:
+        value = float(written[column])
+        assert math.isfinite(value) and value > 0, f"{column} = {written[column]!r}"
+    for path in plot_results(doc["rows"], tmp_path):
+        assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"

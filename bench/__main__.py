@@ -1,0 +1,112 @@
+"""``python -m bench``: what does rendezvous do on this hardware? (docs/benchmarks.md)
+
+  sweep           start each mode's app (push, pull, aggregated), load it, stop it; results + plots
+  plot            redraw the plots of a results directory
+  multiturn       per-turn TTFT of growing conversations (with and without conversation reuse)
+  nixl-bandwidth  NIXL WRITE bandwidth vs memcpy on this machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+def _sweep(a: argparse.Namespace) -> int:
+    from bench.profiles import Mode, get_profile
+    from bench.sweep import run_sweep
+
+    profile = get_profile(a.profile)
+    out = Path(a.out or f"results/{profile.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    modes = [Mode(m) for m in a.mode] if a.mode else None
+    run_sweep(
+        profile, out, modes=modes, output_len=a.output_len, base_url=a.base_url, metrics_urls=a.metrics_url,
+        tokenizer=a.tokenizer, ignore_budget=a.ignore_budget,
+    )
+    return 0
+
+
+def _plot(a: argparse.Namespace) -> int:
+    from bench.plots import plot_results
+    from bench.results import read_results
+
+    for path in plot_results(read_results(Path(a.results_dir))["rows"], Path(a.results_dir)):
+        print(f"wrote {path}")
+    return 0
+
+
+def _multiturn(a: argparse.Namespace) -> int:
+    from bench.multiturn import run_multiturn
+
+    out = Path(a.out or f"results/multiturn-{time.strftime('%Y%m%d-%H%M%S')}")
+    run_multiturn(
+        a.config, out, base_url=a.base_url, tokenizer_path=a.tokenizer, conversations=a.conversations,
+        turns=a.turns, turn_tokens=a.turn_tokens, output_len=a.output_len,
+    )
+    return 0
+
+
+def _nixl_bandwidth(a: argparse.Namespace) -> int:
+    from bench.nixl_bandwidth import run
+
+    run(a.sizes_mib, a.iters, a.descriptor_kib, a.backend, Path(a.out) if a.out else None)
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    from bench.profiles import PROFILES, Mode
+
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("sweep", help="run a profile: every mode x input length x request rate")
+    s.add_argument("--profile", required=True, choices=list(PROFILES))
+    s.add_argument("--out", help="results directory (default results/<profile>-<time>); a mode run adds to it")
+    s.add_argument("--mode", action="append", choices=[m.value for m in Mode], help="only this mode (repeatable)")
+    s.add_argument("--output-len", type=int, help="output tokens per request (default: the profile's)")
+    s.add_argument("--base-url", help="benchmark the app already running here (one --mode) instead of starting it")
+    s.add_argument("--metrics-url", action="append", help="with --base-url: Ray's Prometheus export of a node (repeatable)")
+    s.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's model source)")
+    s.add_argument("--ignore-budget", action="store_true", help="run every point even past the profile's time budget")
+    s.set_defaults(func=_sweep)
+
+    s = sub.add_parser("plot", help="redraw ttft_vs_rate.png and tpot_vs_rate.png from RESULTS_DIR/results.json")
+    s.add_argument("results_dir")
+    s.set_defaults(func=_plot)
+
+    s = sub.add_parser("multiturn", help="per-turn TTFT of conversations with growing history")
+    s.add_argument("--config", default="configs/local-cpu.yaml")
+    s.add_argument("--base-url", help="use the app already running here instead of starting --config")
+    s.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's model source)")
+    s.add_argument("--conversations", type=int, default=3)
+    s.add_argument("--turns", type=int, default=4)
+    s.add_argument("--turn-tokens", type=int, default=500, help="new user tokens per turn (turn 4 ~ 2k history)")
+    s.add_argument("--output-len", type=int, default=32)
+    s.add_argument("--out", help="report directory (default results/multiturn-<time>)")
+    s.set_defaults(func=_multiturn)
+
+    s = sub.add_parser("nixl-bandwidth", help="NIXL WRITE bandwidth vs memcpy, two agents in one process")
+    s.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 8, 64, 256])
+    s.add_argument("--iters", type=int, default=10)
+    s.add_argument("--descriptor-kib", type=int, default=0, help="split each transfer into descriptors this big (0: one)")
+    s.add_argument("--backend", default="UCX")
+    s.add_argument("--out", help="also write the table as JSON here")
+    s.set_defaults(func=_nixl_bandwidth)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.profiles import ProfileError
+
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ProfileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

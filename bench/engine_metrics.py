@@ -1,0 +1,161 @@
+"""Read vLLM's engine metrics (exported through Ray's Prometheus endpoint) per role.
+
+Ray's export names vLLM's metrics ``ray_vllm_*`` and labels each sample with the Serve
+replica; Serve's own ``ray_serve_*`` samples map that replica to its deployment, whose
+name gives the role (``Prefill:…`` → ``prefill``, ``Decode:…`` → ``decode``, a plain
+Ray Serve LLM app's ``LLMServer:…`` → ``llmserver``).
+
+Caveat: Ray exports a histogram's ``_sum`` from bucket midpoints, so sums (bytes moved,
+seconds spent) are estimates; ``_count``, ``_bucket`` and counters are exact. The
+helpers below therefore derive totals from bucket counts and say which bounds they used.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import httpx
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} ([-+0-9.eE]+|NaN|[+-]Inf)$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+Snapshot = dict[str, dict[str, float]]
+
+
+def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    samples = []
+    for line in httpx.get(url, timeout=10).text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            samples.append((m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))))
+    return samples
+
+
+class RoleMetrics:
+    """Totals of ``ray_vllm_*`` samples by role, keyed by replica via Serve's own metrics.
+
+    ``url`` is one Prometheus endpoint, or several (one per Ray node of a cluster): their
+    samples are merged before replicas are mapped to roles.
+    """
+
+    def __init__(self, url: str | Iterable[str]):
+        self.urls = [url] if isinstance(url, str) else list(url)
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    def snapshot(self) -> Snapshot:
+        samples = [s for url in self.urls for s in scrape(url)]
+        role_of = {
+            labels["replica"]: labels["deployment"].split(":")[0].lower()
+            for name, labels, _ in samples
+            if name.startswith("ray_serve_") and "replica" in labels and "deployment" in labels
+        }
+        totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        for name, labels, value in samples:
+            if name.startswith("ray_vllm_") and "ReplicaId" in labels:
+                role = role_of.get(labels["ReplicaId"], "unknown")
+                key = name.removeprefix("ray_vllm_")
+                if "le" in labels:
+                    key += f"[le={labels['le']}]"
+                totals[role][key] += value
+                totals[f"replica:{labels['ReplicaId']}"][key] += value
+        return {role: dict(values) for role, values in totals.items()}
+
+    def settled_snapshot(self, quiet_s: float = 12.0, timeout_s: float = 90.0) -> Snapshot:
+        """A snapshot that stopped changing for ``quiet_s``: Ray exports engine metrics
+        every few seconds, so a fresh scrape can still lack the last requests."""
+        deadline = time.monotonic() + timeout_s
+        snap, since = self.snapshot(), time.monotonic()
+        while time.monotonic() - since < quiet_s:
+            if time.monotonic() > deadline:
+                raise TimeoutError("engine metrics kept changing; is something else sending requests?")
+            time.sleep(2)
+            current = self.snapshot()
+            if current != snap:
+                snap, since = current, time.monotonic()
+        return snap
+
+    def wait_for(self, predicate, timeout_s: float = 60, poll_s: float = 1.0) -> Snapshot:
+        """Poll until ``predicate(snapshot)`` is true (Ray exports metrics every few seconds)."""
+        deadline = time.monotonic() + timeout_s
+        snap = self.snapshot()
+        while not predicate(snap):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"metrics never satisfied the condition; last snapshot: {snap}")
+            time.sleep(poll_s)
+            snap = self.snapshot()
+        return snap
+
+
+def delta(after: dict, before: dict, role: str, key: str) -> float:
+    return after.get(role, {}).get(key, 0.0) - before.get(role, {}).get(key, 0.0)
+
+
+# --------------------------------------------------------------------------- all roles, histograms
+
+
+def roles(snapshot: Snapshot) -> list[str]:
+    """The role entries of a snapshot (not the per-replica ones), so each sample counts once."""
+    return [r for r in snapshot if not r.startswith("replica:")]
+
+
+def total_delta(after: Snapshot, before: Snapshot, *keys: str) -> float:
+    """``after - before`` of ``keys`` summed over every role (alternative spellings of one
+    metric, e.g. a counter with and without Ray's ``_total`` suffix, may be passed together)."""
+    names = set(roles(after)) | set(roles(before))
+    return sum(delta(after, before, role, key) for role in names for key in keys)
+
+
+@dataclass(frozen=True)
+class HistogramEstimate:
+    """What bucket counts say about the observations between two snapshots.
+
+    ``low``/``high`` bound the sum (each observation at its bucket's lower/upper edge;
+    ``high`` is None if any landed above the last finite bound); ``mid`` puts each at
+    its bucket's midpoint, as Ray's exported ``_sum`` does.
+    """
+
+    count: int
+    low: float
+    mid: float
+    high: float | None
+
+    @property
+    def mean(self) -> float | None:
+        return self.mid / self.count if self.count else None
+
+
+def histogram_estimate(after: Snapshot, before: Snapshot, metric: str) -> HistogramEstimate:
+    """Bucket-derived totals of histogram ``metric`` (e.g. ``nixl_bytes_transferred``) over all roles."""
+    prefix = f"{metric}_bucket[le="
+    keys = {key for snap in (after, before) for role in roles(snap) for key in snap[role] if key.startswith(prefix)}
+    buckets = sorted((_le(key), total_delta(after, before, key)) for key in keys)  # cumulative counts
+    count = low = mid = 0.0
+    high: float | None = 0.0
+    lower_edge, previous_cum = 0.0, 0.0
+    for le, cum in buckets:
+        n = max(cum - previous_cum, 0.0)
+        previous_cum = max(cum, previous_cum)
+        if n:
+            count += n
+            low += n * lower_edge
+            if math.isinf(le):  # above the last finite bound: no upper edge, midpoint unknown
+                mid += n * lower_edge
+                high = None
+            else:
+                mid += n * (lower_edge + le) / 2
+                high = None if high is None else high + n * le
+        if not math.isinf(le):
+            lower_edge = le
+    return HistogramEstimate(count=int(round(count)), low=low, mid=mid, high=high)
+
+
+def _le(key: str) -> float:
+    return float(key.split("le=", 1)[1].rstrip("]"))
