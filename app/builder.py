@@ -33,7 +33,11 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     decode = build_llm_deployment(
         decode_config,
         name_prefix="Decode:",
-        bind_kwargs={"prefill_server": prefill, "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens},
+        bind_kwargs={
+            "prefill_server": prefill,
+            "mode": app_args.mode.value,
+            "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens,
+        },
         deployment_cls=DecodeServer,
     )
     model_id = app_args.model.id

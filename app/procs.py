@@ -161,16 +161,22 @@ class AppProcess:
         raise TimeoutError(f"app not ready after {timeout_s} s:\n{self.log_tail()}")
 
     def interrupt(self, timeout_s: float = 180) -> int:
-        """Ctrl-C, as a terminal sends it: SIGINT to the whole foreground process group."""
+        """Ctrl-C, as a terminal sends it: SIGINT to the whole foreground process group;
+        returns once the command has exited and, within ``timeout_s``, every process of
+        the run is gone (what is left then is for the caller to report)."""
+        deadline = time.monotonic() + timeout_s
         os.killpg(self.proc.pid, signal.SIGINT)
         try:
-            return self.proc.wait(timeout=timeout_s)
+            code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             raise
+        while find_processes(self.run_id) and time.monotonic() < deadline:
+            time.sleep(1)
+        return code
 
     def leftovers(self) -> list[str]:
-        return [f"{pid} {_comm(pid)}" for pid in find_processes(self.run_id)]
+        return [f"{pid} {_cmdline(pid)}" for pid in find_processes(self.run_id)]
 
     def log_tail(self, chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:]
@@ -204,9 +210,9 @@ def _http_status(url: str, *, body: dict | None = None, timeout: float) -> int:
         return e.code
 
 
-def _comm(pid: int) -> str:
+def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
     except OSError:
         return "?"
 

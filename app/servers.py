@@ -24,7 +24,7 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import (
     PDDecodeServer,
     PDPrefillServer,
 )
-from ray.serve.metrics import Counter
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from app.decode_router import STATS_KEY
 from connector.params import new_transfer_request_id
@@ -45,17 +45,16 @@ class PrefillServer(PDPrefillServer):
 
 
 class DecodeServer(PDDecodeServer):
-    async def __init__(self, llm_config, *, prefill_server, local_prefill_below_tokens: int = 0, **kwargs):
+    async def __init__(
+        self, llm_config, *, prefill_server, mode: str = "push", local_prefill_below_tokens: int = 0, **kwargs
+    ):
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
+        self._mode = mode
         self._local_below = local_prefill_below_tokens
         self._tokenizer = _load_tokenizer(llm_config)
         self._ongoing = 0
         self._tokens_in_flight = 0
-        self._requests = Counter(
-            "rendezvous_decode_requests",
-            description="Requests a decode replica served, by prefill path (remote = disaggregated, local = short prompt).",
-            tag_keys=("prefill",),
-        )
+        self._metrics = DecodeMetrics(mode)
 
     async def chat(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "chat")
@@ -78,7 +77,6 @@ class DecodeServer(PDDecodeServer):
         prompt_tokens = self._count_prompt_tokens(request)
         local = prompt_tokens < self._local_below
         path = "local" if local else "remote"
-        self._requests.inc(tags={"prefill": path})
         logger.debug("request %s: %d prompt tokens, %s prefill", request.request_id, prompt_tokens, path)
         if local:
             gen = await getattr(LLMServer, endpoint)(self, request, raw_request_info)
@@ -87,12 +85,18 @@ class DecodeServer(PDDecodeServer):
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost
+        self._metrics.load(self._ongoing, self._tokens_in_flight)
+        started, first = time.monotonic(), None
         try:
             async for chunk in gen:
+                if first is None:
+                    first = time.monotonic() - started
                 yield chunk
         finally:
             self._ongoing -= 1
             self._tokens_in_flight -= cost
+            self._metrics.load(self._ongoing, self._tokens_in_flight)
+            self._metrics.finished(path, getattr(request, "stream", False), first, time.monotonic() - started)
 
     def _count_prompt_tokens(self, request) -> int:
         if self._tokenizer is None:
@@ -117,6 +121,53 @@ class DecodeServer(PDDecodeServer):
         if cache is None or not cache.num_gpu_blocks:
             return None
         return cache.num_gpu_blocks * cache.block_size
+
+
+class DecodeMetrics:
+    """Our layer's metrics, exported through Ray's Prometheus endpoint with a ``ray_`` prefix.
+
+    ``first_chunk_seconds`` is time to first token as the orchestrator sees it for
+    streamed requests (for non-streamed ones the first chunk is the whole answer)."""
+
+    _BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128]
+
+    def __init__(self, mode: str):
+        self._tags = {"mode": mode}
+        tags = ("mode", "prefill", "stream")
+        self._requests = Counter(
+            "rendezvous_requests",
+            description="Requests served, by transfer mode, prefill path (remote = disaggregated, local = short prompt) and streaming.",
+            tag_keys=tags,
+        )
+        self._first_chunk = Histogram(
+            "rendezvous_first_chunk_seconds",
+            description="Seconds from the decode replica receiving a request to its first chunk.",
+            boundaries=self._BUCKETS,
+            tag_keys=tags,
+        )
+        self._duration = Histogram(
+            "rendezvous_request_seconds",
+            description="Seconds from the decode replica receiving a request to its last chunk.",
+            boundaries=self._BUCKETS,
+            tag_keys=tags,
+        )
+        self._ongoing = Gauge("rendezvous_decode_ongoing_requests", description="Requests in flight on a decode replica.", tag_keys=("mode",))
+        self._tokens = Gauge(
+            "rendezvous_decode_tokens_in_flight",
+            description="Prompt + remaining output tokens in flight on a decode replica (the router's load signal).",
+            tag_keys=("mode",),
+        )
+
+    def load(self, ongoing: int, tokens: int) -> None:
+        self._ongoing.set(ongoing, tags=self._tags)
+        self._tokens.set(tokens, tags=self._tags)
+
+    def finished(self, prefill: str, stream: bool, first_chunk_s: float | None, total_s: float) -> None:
+        tags = {**self._tags, "prefill": prefill, "stream": str(bool(stream)).lower()}
+        self._requests.inc(tags=tags)
+        if first_chunk_s is not None:
+            self._first_chunk.observe(first_chunk_s, tags=tags)
+        self._duration.observe(total_s, tags=tags)
 
 
 def _plain_message(message: Any) -> dict:

@@ -10,6 +10,12 @@ import pytest
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run
 
+
+def port_holders() -> str:
+    import subprocess
+
+    return subprocess.run(["ss", "-ltnp"], capture_output=True, text=True).stdout
+
 CONFIG = "configs/local-cpu.yaml"
 
 
@@ -25,9 +31,10 @@ def test_ctrl_c_ends_everything_and_an_immediate_restart_works(log_dir):
             engines = [p for p in app.leftovers() if "VLLM" in p]
             assert len(engines) >= 4, f"expected 2 EngineCore + 2 Worker processes, saw {engines}"
         finally:
-            app.interrupt()
-        assert app.leftovers() == [], f"processes survived Ctrl-C after the {start} start:\n{app.log_tail()}"
-        assert busy_ports() == [], f"ports still bound after the {start} start"
+            code = app.interrupt()
+        # `make serve` returns only once app.run has swept the run's processes.
+        assert app.leftovers() == [], f"processes survived Ctrl-C after the {start} start (exit {code}):\n{app.log_tail()}"
+        assert busy_ports() == [], f"ports {busy_ports()} still bound after the {start} start: {port_holders()}"
 
 
 @pytest.mark.slow

@@ -187,3 +187,19 @@ def test_load_step_writes_well_formed_results(client, tmp_path):
         assert math.isfinite(value) and value > 0, f"{column} = {written[column]!r}"
     for path in plot_results(doc["rows"], tmp_path):
         assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grafana_dashboard_references_only_metrics_the_app_exports(client):
+    """observability/grafana-dashboard.json against a live scrape of this app (run last in
+    the module, after traffic, so every metric has been recorded)."""
+    import re
+    from pathlib import Path
+
+    from bench.engine_metrics import scrape
+
+    dashboard = json.loads(Path("observability/grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    referenced = {name for e in exprs for name in re.findall(r"\bray_[A-Za-z0-9_:]+", e)}
+    referenced |= {f"{m.removesuffix('_bucket')}_bucket" for m in referenced if m.endswith("_bucket")}
+    exported = {name for name, _, _ in scrape(client.metrics.url)}
+    assert referenced and not referenced - exported, f"dashboard metrics the app does not export: {sorted(referenced - exported)}"

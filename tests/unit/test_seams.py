@@ -164,7 +164,10 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._tokenizer = None
     server._count_prompt_tokens = lambda request: prompt_tokens
     server._ongoing = server._tokens_in_flight = 0
-    server._requests = types.SimpleNamespace(inc=lambda tags: server.paths.append(tags["prefill"]))
+    server._metrics = types.SimpleNamespace(
+        load=lambda ongoing, tokens: None,
+        finished=lambda prefill, stream, first, total: server.paths.append(prefill),
+    )
     server.paths, server.seen, server.load = [], [], []
 
     async def remote(request, raw=None):
