@@ -99,8 +99,9 @@ class DecodeServer(PDDecodeServer):
             self._metrics.finished(path, getattr(request, "stream", False), first, time.monotonic() - started)
 
     def _count_prompt_tokens(self, request) -> int:
+        """Prompt tokens of ``request``; unknown counts as long enough to disaggregate."""
         if self._tokenizer is None:
-            return 0
+            return self._local_below
         try:
             if hasattr(request, "messages"):
                 return len(self._tokenizer.apply_chat_template(

@@ -456,3 +456,12 @@ def test_setup_plans_the_side_channel_and_publishes_the_identity(monkeypatch, cl
     identity = PeerIdentity.from_metadata(backend.replica_metadata())
     assert identity == PeerIdentity(engine_id=engine_id, host="10.0.0.9", port=port, tp_size=tp, pp_size=1)
     assert not ray.is_initialized()
+
+
+def test_without_a_tokenizer_every_request_is_disaggregated():
+    from app.servers import DecodeServer
+
+    server = DecodeServer.__new__(DecodeServer)
+    server._tokenizer, server._local_below = None, 16
+    prompt = CompletionRequest(model="m", prompt="hi")
+    assert server._count_prompt_tokens(prompt) >= server._local_below
