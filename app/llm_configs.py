@@ -18,7 +18,7 @@ DECODE_ROUTER = "app.decode_router.LoadAwareDecodeRouter"
 
 CPU_DEFAULT_ENV = {
     # vLLM on CPU otherwise reserves 92 % of *system* RAM for KV, so a second engine on
-    # the same box cannot start. 1 GiB holds ~45k tokens of SmolLM2-135M KV in bf16.
+    # the same box cannot start. 1 GiB holds ~23k tokens of SmolLM2-135M KV in float32 (the local configs), ~45k in bf16.
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # vLLM's "auto" binding assumes one engine owns the host; several engines would bind
     # the same cores. Let the OS place one thread per engine unless the config says more.
