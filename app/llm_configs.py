@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.args import Accelerator, AppArgs
-from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE
+from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, KV_TIMEOUT_KEY, TransferMode
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 
@@ -28,6 +28,9 @@ CPU_DEFAULT_ENV = {
 
 
 def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
+    extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
+    if args.mode is TransferMode.PUSH:
+        extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -36,7 +39,10 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
         # knows (cuda, xpu, ...) or that an out-of-tree platform declares; Neuron HBM is not
         # one, so KV is staged through a host buffer (device<->host copies on both sides).
         "kv_buffer_device": "cuda" if args.accelerator is Accelerator.GPU else "cpu",
-        "kv_connector_extra_config": {**args.nixl.extra_config, "backends": list(args.nixl.backends)},
+        "kv_connector_extra_config": extra,
+        # KV that fails to arrive (a failed READ or WRITE, a push past its deadline) is
+        # recomputed by decode instead of failing the request.
+        "kv_load_failure_policy": "recompute",
     }
 
 

@@ -17,6 +17,7 @@ import argparse
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -82,6 +83,36 @@ def orphaned_engines() -> list[int]:
         if comm.startswith("VLLM::") and ppid == 1:
             pids.append(int(entry.name))
     return pids
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(comm, ppid) of ``pid``, or None once it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.index("(") + 1 : stat.rindex(")")], int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def engine_processes(deployment: str) -> list[int]:
+    """vLLM engine processes (EngineCore and its workers) under the Serve replicas whose
+    deployment name starts with ``deployment`` (e.g. ``Prefill``) — for fault injection."""
+    parent, replicas = {}, set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or (stat := _stat(int(entry.name))) is None:
+            continue
+        parent[int(entry.name)] = stat[1]
+        if re.match(rf"ray::ServeReplica:[^:]+:{re.escape(deployment)}", _cmdline(int(entry.name))):
+            replicas.add(int(entry.name))
+
+    def under_a_replica(pid: int) -> bool:
+        while pid > 1:
+            pid = parent.get(pid, 1)
+            if pid in replicas:
+                return True
+        return False
+
+    return sorted(p for p in parent if under_a_replica(p) and (_stat(p) or ("",))[0].startswith("VLLM::"))
 
 
 def kill_run(run_id: str | None, grace_s: float = 10.0) -> list[int]:
@@ -170,6 +201,7 @@ class AppProcess:
             code = self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_run(self.run_id)  # serve run has a session of its own: the group kill missed it
             raise
         while find_processes(self.run_id) and time.monotonic() < deadline:
             time.sleep(1)

@@ -23,6 +23,10 @@ class TransferMode(str, Enum):
 CONNECTOR_MODULE = "connector.vllm_connectors"
 CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PULL: "RendezvousPullConnector"}
 
+# kv_connector_extra_config key of our push connector: seconds decode waits for pushed KV
+# (see connector/vllm_connectors.py).
+KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
+
 # vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
 # internal id is ``<prefix><external id>`` once id randomization is disabled.
 _ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}

@@ -6,13 +6,18 @@ import concurrent.futures as cf
 import csv
 import json
 import math
+import os
 import random
+import signal
+import time
+from collections import Counter
 
 import openai
 import pytest
 
 from app.model_source import resolve_model_source
-from app.procs import BASE_URL
+from app.procs import BASE_URL, engine_processes
+from bench.engine_metrics import scrape
 from bench.plots import plot_results
 from bench.profiles import app_args_of, load_config
 from bench.results import COLUMNS, write_results
@@ -28,7 +33,9 @@ from tests.integration.cases import (
     assert_token_identical,
     long_text,
     parse_generation,
+    read_stream,
 )
+from tests.integration.reference import app_args
 from tests.integration.conftest import app_client
 
 CONFIG = "configs/local-cpu.yaml"
@@ -189,13 +196,88 @@ def test_load_step_writes_well_formed_results(client, tmp_path):
         assert path.stat().st_size > 0 and path.read_bytes()[:4] == b"\x89PNG"
 
 
+# --------------------------------------------------------------------------- faults
+
+
+def _idle(snap, role: str) -> bool:
+    """No request in the engine and no KV block held for one (vLLM's own gauges)."""
+    values = snap.get(role, {})
+    return all(values.get(key, 1.0) == 0.0 for key in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"))
+
+
+def _requests_by_prefill_path(client) -> Counter:
+    counts = Counter()
+    for name, labels, value in scrape(client.metrics.url):
+        if name == "ray_rendezvous_requests_total":
+            counts[labels["prefill"]] += value
+    return counts
+
+
+@pytest.mark.slow
+def test_client_disconnects_mid_stream_abort_both_legs_and_free_their_kv(client, reference):
+    def first_chunk_then_hang_up(i: int) -> bool:
+        # Long enough that none could finish on its own within the test's wait.
+        body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 3000, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        with client.http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            return any(line.startswith("data: ") for line in r.iter_lines())  # stops at the first event
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        assert all(pool.map(first_chunk_then_hang_up, range(32)))
+    # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
+    client.metrics.wait_for(lambda s: _idle(s, "prefill") and _idle(s, "decode"), timeout_s=60)
+    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
+
+
+@pytest.mark.slow
+def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_kv(client, reference):
+    """SIGSTOP the prefill engine: requests are served by decode's own prefill once the
+    prefill leg misses its deadline, correctly; the late WRITEs (or the KV deadline) give
+    decode's blocks back; then disaggregation resumes."""
+    handoff = app_args(CONFIG).handoff
+    chat, completion = CASE_BY_NAME["chat-short"], CASE_BY_NAME["completion-short"]
+    expected_chat, expected_stream = chat.reference(reference), completion.reference(reference)
+    before = _requests_by_prefill_path(client)
+    engines = engine_processes("Prefill")
+    assert engines, "no prefill engine process found"
+
+    def chat_answer():
+        r = client.post(chat.endpoint, json=chat.body())
+        assert r.status_code == 200, r.text
+        return parse_generation(chat, r.json()).token_ids
+
+    def streamed_answer():
+        with client.http.stream("POST", completion.endpoint, json=completion.body(stream=True)) as r:
+            assert r.status_code == 200, r.read()
+            return read_stream(r)
+
+    for pid in engines:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with cf.ThreadPoolExecutor(2) as pool:
+            answers = pool.submit(chat_answer), pool.submit(streamed_answer)
+            assert answers[0].result() == expected_chat.token_ids
+            assert answers[1].result() == expected_stream.text
+        elapsed = time.monotonic() - started
+    finally:
+        for pid in engines:
+            os.kill(pid, signal.SIGCONT)
+    assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
+    deadline = time.monotonic() + 30
+    while (grown := _requests_by_prefill_path(client) - before)["fallback"] < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert grown["fallback"] == 2, f"requests by prefill path: {dict(grown)}"
+    client.metrics.wait_for(lambda s: _idle(s, "decode") and _idle(s, "prefill"), timeout_s=handoff.kv_timeout_s + 30)
+    assert_kv_travelled(client, reference, CONFIG, writer="prefill")
+
+
 def test_grafana_dashboard_references_only_metrics_the_app_exports(client):
     """observability/grafana-dashboard.json against a live scrape of this app (run last in
     the module, after traffic, so every metric has been recorded)."""
     import re
     from pathlib import Path
-
-    from bench.engine_metrics import scrape
 
     dashboard = json.loads(Path("observability/grafana-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]

@@ -161,6 +161,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
 
     server = DecodeServer.__new__(DecodeServer)
     server._local_below = local_below
+    server._mode = "push"
     server._tokenizer = None
     server._count_prompt_tokens = lambda request: prompt_tokens
     server._ongoing = server._tokens_in_flight = 0
@@ -465,3 +466,50 @@ def test_without_a_tokenizer_every_request_is_disaggregated():
     server._tokenizer, server._local_below = None, 16
     prompt = CompletionRequest(model="m", prompt="hi")
     assert server._count_prompt_tokens(prompt) >= server._local_below
+
+
+# --------------------------------------------------------------------------- handoff deadline (app/servers.py)
+
+
+def test_ray_calls_the_concurrent_decode_we_override():
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import pd_server
+
+    from app.servers import DecodeServer
+
+    ours = inspect.signature(DecodeServer._concurrent_decode)
+    theirs = inspect.signature(pd_server.PDOrchestratorMixin._concurrent_decode)
+    assert list(ours.parameters) == list(theirs.parameters)
+    source = inspect.getsource(pd_server.PDOrchestratorMixin._pd_handle_request)
+    assert "self._concurrent_decode(" in source and "cancel_on_failure=False" in source
+    assert inspect.iscoroutinefunction(pd_server._drain_prefill)
+
+
+# --------------------------------------------------------------------------- push KV deadline (connector/vllm_connectors.py)
+
+
+def test_vllm_push_internals_our_deadline_overrides_use():
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, connector, push_scheduler, push_worker
+
+    import connector.vllm_connectors as ours
+
+    for ours_cls, method in [
+        (ours._DeadlineScheduler, "update_state_after_alloc"),
+        (ours._DeadlineWorker, "start_load_kv"),
+        (ours._DeadlineWorker, "get_finished"),
+        (ours._DeadlineWorker, "_do_start_push_kv"),
+        (ours._DeadlineWorker, "_handle_push_reg_notif"),
+    ]:
+        upstream = getattr(ours_cls.__bases__[0], method)
+        assert list(inspect.signature(getattr(ours_cls, method)).parameters) == list(inspect.signature(upstream).parameters)
+    # State the overrides read, by name.
+    assert "self._push_pending_registrations[request.request_id] = {" in inspect.getsource(push_scheduler)
+    worker_source = inspect.getsource(push_worker) + inspect.getsource(base_worker)
+    for name in ("_recving_metadata", "_recving_transfers", "_pending_d_registrations", "consumer_notification_counts_by_req"):
+        assert f"self.{name}" in worker_source, name
+    assert "def _handle_failed_transfer(self, req_id: str, handle: int | None)" in inspect.getsource(base_worker)
+    # The connector builds its scheduler and worker in __init__ under these attribute names.
+    init = inspect.getsource(connector.NixlPushConnector.__init__)
+    assert "self.connector_scheduler = NixlPushConnectorScheduler(" in init
+    assert "self.connector_worker = NixlPushConnectorWorker(" in init
+    assert KVTransferConfig(kv_load_failure_policy="recompute").kv_load_failure_policy == "recompute"

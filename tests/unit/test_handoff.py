@@ -1,0 +1,170 @@
+"""The decode replica's handoff never hangs and never fails a request it can serve
+itself (app/servers.py). The engine and the prefill replica are stand-ins here; the
+integration tests stall a real prefill engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
+from ray.llm._internal.serve.core.server.llm_server import LLMServer
+from vllm.entrypoints.serve.engine.protocol import ErrorInfo
+
+from app.servers import DecodeServer, HandoffFailed, _Route
+
+
+def _error(code: int) -> ErrorResponse:
+    return ErrorResponse(error=ErrorInfo(message=f"boom {code}", type="x", code=code))
+
+
+class _Prefill:
+    """A prefill response stream: yields ``chunks`` after ``delay_s`` (never, if None)."""
+
+    def __init__(self, delay_s: float | None, chunks=("p",), fail: bool = False):
+        self.delay_s, self.chunks, self.fail = delay_s, chunks, fail
+
+    async def __aiter__(self):
+        await asyncio.sleep(3600 if self.delay_s is None else self.delay_s)
+        if self.fail:
+            raise RuntimeError("prefill replica died")
+        for chunk in self.chunks:
+            yield chunk
+
+
+def _server(monkeypatch, *, decode_after_s: float = 0.0, decode_chunks=("d1", "d2"), timeout_s: float = 0.3):
+    server = DecodeServer.__new__(DecodeServer)
+    server._prefill_timeout_s = timeout_s
+    server._late_prefills = set()
+    server.decode_closed, server.local_requests = [], []
+
+    async def engine_completions(self, request, raw=None):
+        async def gen():
+            try:
+                if request.kv_transfer_params is None:  # local prefill
+                    server.local_requests.append(request)
+                    yield "local"
+                    return
+                await asyncio.sleep(decode_after_s)
+                for chunk in decode_chunks:
+                    yield chunk
+            finally:
+                server.decode_closed.append(request.request_id)
+
+        return gen()
+
+    monkeypatch.setattr(LLMServer, "completions", engine_completions)
+    return server
+
+
+def _decode_request() -> CompletionRequest:
+    return CompletionRequest(model="m", prompt="hi", request_id="rdv-1", kv_transfer_params={"do_remote_prefill": True})
+
+
+def _collect(agen) -> tuple[list, BaseException | None]:
+    async def go():
+        out = []
+        try:
+            async for chunk in agen:
+                out.append(chunk)
+        except Exception as exc:
+            return out, exc
+        return out, None
+
+    return asyncio.run(go())
+
+
+def test_a_prefill_that_never_finishes_fails_the_handoff_at_the_deadline(monkeypatch):
+    server = _server(monkeypatch, decode_after_s=3600)
+    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(None), None))
+    assert chunks == [] and isinstance(error, HandoffFailed) and "0.3 s" in str(error)
+    assert server.decode_closed == ["rdv-1"], "the decode leg must be aborted"
+
+
+@pytest.mark.parametrize("prefill", [_Prefill(0.01, chunks=(_error(500),)), _Prefill(0.01, fail=True)], ids=["error", "dead"])
+def test_a_failed_prefill_fails_the_handoff_at_once(monkeypatch, prefill):
+    server = _server(monkeypatch, decode_after_s=3600, timeout_s=30)
+    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), prefill, None))
+    assert chunks == [] and isinstance(error, HandoffFailed)
+    assert server.decode_closed == ["rdv-1"]
+
+
+def test_once_decode_produced_a_prefill_failure_is_moot(monkeypatch):
+    server = _server(monkeypatch, decode_after_s=0.0, timeout_s=30)
+    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(0.05, fail=True), None))
+    assert (chunks, error) == (["d1", "d2"], None)
+
+
+def test_a_slow_prefill_within_the_deadline_is_waited_for(monkeypatch):
+    server = _server(monkeypatch, decode_after_s=0.1, timeout_s=5)
+    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(0.05), None))
+    assert (chunks, error) == (["d1", "d2"], None)
+
+
+def _orchestrating_server(monkeypatch, remote):
+    server = _server(monkeypatch)
+    server._mode = "push"
+    server._pd_handle_request = remote
+    return server
+
+
+def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id(monkeypatch):
+    async def remote(request, raw=None):
+        raise HandoffFailed("prefill did not finish within 30 s")
+        yield  # pragma: no cover
+
+    server = _orchestrating_server(monkeypatch, remote)
+    route = _Route("remote")
+    request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
+    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route))
+    assert (chunks, error, route.prefill) == (["local"], None, "fallback")
+    assert server.local_requests[0].request_id not in ("rdv-1", None)
+
+
+def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_through(monkeypatch):
+    for code, expected_route in [(503, "fallback"), (400, "remote")]:
+        async def remote(request, raw=None, code=code):
+            yield _error(code)
+
+        server = _orchestrating_server(monkeypatch, remote)
+        route = _Route("remote")
+        chunks, _ = _collect(server._remote_or_fallback(CompletionRequest(model="m", prompt="hi"), None, "completions", route))
+        assert route.prefill == expected_route
+        assert chunks == (["local"] if code >= 500 else [_error(400)])
+
+
+@pytest.mark.parametrize(
+    "registration, now, margin, expired",
+    [
+        ({}, 1e12, 5.0, False),  # unstamped (another decode build): never expires here
+        ({"rendezvous_expires_at": 100.0}, 94.0, 5.0, False),
+        ({"rendezvous_expires_at": 100.0}, 95.0, 5.0, True),  # prefill stops writing 5 s early
+        ({"rendezvous_expires_at": 100.0}, 99.9, 0.0, False),
+        ({"rendezvous_expires_at": 100.0}, 100.0, 0.0, True),  # decode gives up at the deadline
+    ],
+)
+def test_registration_expiry(registration, now, margin, expired):
+    from connector.vllm_connectors import EXPIRES_KEY, registration_expired
+
+    assert EXPIRES_KEY == "rendezvous_expires_at"
+    assert registration_expired(registration, now, margin) is expired
+
+
+def test_push_engines_get_the_kv_deadline_and_recompute_on_load_failure():
+    from app.args import AppArgs
+    from app.llm_configs import kv_transfer_config
+    from connector.params import KV_TIMEOUT_KEY
+    from connector.ports import Role
+
+    push = kv_transfer_config(AppArgs.parse({"handoff": {"prefill_timeout_s": 10, "kv_timeout_s": 25}}), Role.DECODE)
+    pull = kv_transfer_config(AppArgs.parse({"mode": "pull"}), Role.DECODE)
+    assert push["kv_connector_extra_config"][KV_TIMEOUT_KEY] == 25
+    assert KV_TIMEOUT_KEY not in pull["kv_connector_extra_config"]
+    assert push["kv_load_failure_policy"] == pull["kv_load_failure_policy"] == "recompute"
+
+
+def test_the_engine_deadline_must_outlast_the_orchestrators():
+    from app.args import AppArgs
+
+    with pytest.raises(ValueError, match="must exceed prefill_timeout_s"):
+        AppArgs.parse({"handoff": {"prefill_timeout_s": 60, "kv_timeout_s": 60}})
