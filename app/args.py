@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import types
 from enum import Enum
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -141,7 +141,22 @@ class NixlArgs(_Strict):
 class IngressArgs(_Strict):
     replicas: int = Field(1, ge=1, description="OpenAI ingress replicas.")
     cpus: float = Field(0.1, gt=0, description="Ray logical CPUs per ingress replica.")
-    max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once.")
+    max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once (Serve's limit; beyond it Serve queues).")
+    max_in_flight: int = Field(
+        128, ge=1, description="Generation requests (completions, chat) in flight per ingress replica; beyond this "
+        "the client gets 429 with Retry-After at once. Must stay below max_ongoing_requests."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429.")
+    max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
+
+    @model_validator(mode="after")
+    def _admission_below_serve_limit(self) -> "IngressArgs":
+        if self.max_in_flight >= self.max_ongoing_requests:
+            raise ValueError(
+                f"max_in_flight ({self.max_in_flight}) must be below max_ongoing_requests ({self.max_ongoing_requests}): "
+                "otherwise Serve queues requests before the ingress can turn them away"
+            )
+        return self
 
 
 class RoutingArgs(_Strict):
@@ -153,6 +168,28 @@ class RoutingArgs(_Strict):
         "no transfer. 0 disaggregates every request."
     )
     stats_period_s: float = Field(1.0, gt=0, description="How often each decode replica publishes its load to the router.")
+
+
+class HandoffArgs(_Strict):
+    prefill_timeout_s: float = Field(
+        30.0, gt=0, description="The prefill leg must finish within this many seconds of dispatch. If it does not, or "
+        "fails, before decode produced anything, the decode replica drops the handoff and prefills the prompt itself "
+        "(counted as prefill path `fallback`)."
+    )
+    kv_timeout_s: float = Field(
+        60.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
+        "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
+        "within 5 s of this deadline. Must exceed prefill_timeout_s."
+    )
+
+    @model_validator(mode="after")
+    def _kv_outlasts_prefill(self) -> "HandoffArgs":
+        if self.kv_timeout_s <= self.prefill_timeout_s:
+            raise ValueError(
+                f"kv_timeout_s ({self.kv_timeout_s:g}) must exceed prefill_timeout_s ({self.prefill_timeout_s:g}): "
+                "the orchestrator's fallback comes first, the engine's deadline is the backstop"
+            )
+        return self
 
 
 class AppArgs(_Strict):
@@ -171,6 +208,7 @@ class AppArgs(_Strict):
     nixl: NixlArgs = Field(default_factory=NixlArgs)
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
+    handoff: HandoffArgs = Field(default_factory=HandoffArgs)
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":

@@ -37,12 +37,21 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "prefill_server": prefill,
             "mode": app_args.mode.value,
             "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens,
+            "prefill_timeout_s": app_args.handoff.prefill_timeout_s,
         },
         deployment_cls=DecodeServer,
     )
     model_id = app_args.model.id
     ingress = serve.deployment(
-        make_fastapi_ingress(Ingress, endpoint_map=ENDPOINTS, app=make_app()),
+        make_fastapi_ingress(
+            Ingress,
+            endpoint_map=ENDPOINTS,
+            app=make_app(
+                max_in_flight=app_args.ingress.max_in_flight,
+                retry_after_s=app_args.ingress.retry_after_s,
+                max_body_bytes=app_args.ingress.max_body_bytes,
+            ),
+        ),
         name="OpenAiIngress",
         num_replicas=app_args.ingress.replicas,
         max_ongoing_requests=app_args.ingress.max_ongoing_requests,

@@ -1,19 +1,31 @@
-"""The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus a health route and
-OpenAI-shaped bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``)."""
+"""The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus a health route, OpenAI-shaped
+bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
+a bounded number of generation requests in flight per ingress replica, beyond which the
+client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
+and a request size limit (413)."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def openai_error(status: int, message: str, *, param: str | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(
         status_code=status,
+        headers=headers,
         content={
             "error": {
                 "message": message,
@@ -25,13 +37,66 @@ def openai_error(status: int, message: str, *, param: str | None = None) -> JSON
     )
 
 
-def make_app() -> FastAPI:
+class Admission:
+    """Generation requests in flight on this ingress replica, at most ``limit``. One event
+    loop runs the ingress, so plain counting is safe."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+
+    def try_enter(self) -> bool:
+        if self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+def make_app(*, max_in_flight: int = 256, retry_after_s: int = 1, max_body_bytes: int = 8 << 20) -> FastAPI:
     app = init()
+    admission = Admission(max_in_flight)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return openai_error(exc.status_code, str(exc.detail))
 
+    @app.middleware("http")
+    async def _admit(request: Request, call_next) -> Response:
+        if request.url.path not in GENERATION_PATHS:
+            return await call_next(request)
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
+        if not admission.try_enter():
+            return openai_error(
+                429,
+                f"server busy: {admission.limit} requests in flight on this replica; retry after {retry_after_s} s",
+                headers={"Retry-After": str(retry_after_s)},
+            )
+        try:
+            response = await call_next(request)
+        except BaseException:
+            admission.leave()
+            raise
+        body = getattr(response, "body_iterator", None)
+        if body is None:
+            admission.leave()
+            return response
+
+        async def body_then_leave():  # a stream is in flight until its last chunk (or a hang-up)
+            try:
+                async for chunk in body:
+                    yield chunk
+            finally:
+                admission.leave()
+
+        response.body_iterator = body_then_leave()
+        return response
+
+    app.state.admission = admission
     return app
 
 

@@ -1,0 +1,117 @@
+"""The ingress's admission control and error bodies (app/ingress.py), on the real FastAPI
+app the ingress serves; a stand-in route plays the decode deployment."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from fastapi.responses import StreamingResponse
+
+from app.args import AppArgs
+from app.ingress import make_app
+
+
+def _app(limit: int):
+    app = make_app(max_in_flight=limit, retry_after_s=2, max_body_bytes=4096)
+    release = asyncio.Event()
+
+    @app.post("/v1/completions")
+    async def completions(body: dict):
+        await release.wait()
+        return {"ok": True}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: dict):
+        async def stream():
+            yield b"data: 1\n\n"
+            await release.wait()
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    return app, release
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress")
+
+
+def test_requests_beyond_the_limit_get_a_quick_429_with_retry_after():
+    async def go():
+        app, release = _app(limit=2)
+        async with _client(app) as client:
+            held = [asyncio.create_task(client.post("/v1/completions", json={})) for _ in range(2)]
+            while app.state.admission.in_flight < 2:
+                await asyncio.sleep(0.01)
+            rejected = await client.post("/v1/completions", json={})
+            other_routes = await client.get("/v1/models")  # not generation: never turned away
+            release.set()
+            done = await asyncio.gather(*held)
+            after = await client.post("/v1/completions", json={})
+        return rejected, other_routes, done, after, app.state.admission.in_flight
+
+    rejected, other_routes, done, after, in_flight = asyncio.run(go())
+    assert rejected.status_code == 429 and rejected.headers["retry-after"] == "2"
+    assert rejected.json()["error"]["type"] == "rate_limit_error" and "2 requests in flight" in rejected.json()["error"]["message"]
+    assert other_routes.status_code == 200
+    assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
+    assert in_flight == 0
+
+
+async def _start_stream(app, path: str):
+    """Drive ``app`` as an ASGI server would (httpx's test transport buffers whole bodies)."""
+    sent: list[dict] = []
+    received = False
+
+    async def receive():
+        nonlocal received
+        if not received:
+            received = True
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+        await asyncio.Event().wait()  # the client never hangs up
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")],
+             "client": ("127.0.0.1", 1), "server": ("ingress", 80)}
+    return asyncio.create_task(app(scope, receive, send)), sent
+
+
+def test_a_stream_holds_its_slot_until_it_ends():
+    async def go():
+        app, release = _app(limit=1)
+        task, sent = await _start_stream(app, "/v1/chat/completions")
+        while not any(m.get("body", b"").startswith(b"data: 1") for m in sent):
+            await asyncio.sleep(0.01)
+        async with _client(app) as client:
+            busy = await client.post("/v1/completions", json={})
+        release.set()
+        await task
+        return busy.status_code, b"".join(m.get("body", b"") for m in sent), app.state.admission.in_flight
+
+    busy, body, in_flight = asyncio.run(go())
+    assert busy == 429 and body.endswith(b"data: [DONE]\n\n") and in_flight == 0
+
+
+def test_an_oversized_body_gets_413():
+    async def go():
+        app, _ = _app(limit=1)
+        async with _client(app) as client:
+            return await client.post("/v1/completions", json={"prompt": "x" * 5000})
+
+    r = asyncio.run(go())
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_the_admission_limit_must_stay_below_serves():
+    with pytest.raises(ValueError, match="must be below max_ongoing_requests"):
+        AppArgs.parse({"ingress": {"max_in_flight": 256, "max_ongoing_requests": 256}})
