@@ -172,6 +172,7 @@ class AppProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group, like a terminal job
+            preexec_fn=_default_sigint,
         )
         return self
 
@@ -218,6 +219,12 @@ class AppProcess:
         session = Path("/tmp/ray/session_latest")
         port = next(session.glob("metrics_export_port_*")).read_text().strip()
         return f"http://127.0.0.1:{port}/metrics"
+
+
+def _default_sigint() -> None:
+    """Children started from a background shell inherit SIGINT as *ignored*, and Python
+    then never raises KeyboardInterrupt: serve run would sleep through Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def busy_ports(ports=LOCAL_PORTS) -> list[int]:

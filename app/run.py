@@ -10,8 +10,7 @@ import time
 
 from app.procs import MARKER, kill_run, new_run_env
 
-_RESEND_SIGINT_S = 20
-_STOP_GRACE_S = 60
+_STOP_GRACE_S = 90
 
 
 def main(argv: list[str]) -> int:
@@ -19,24 +18,27 @@ def main(argv: list[str]) -> int:
     env = new_run_env(keep_existing=True)
     run_id = env[MARKER]
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
+    stop_requested_at: list[float] = []
+    child: subprocess.Popen | None = None
+
+    def forward(signum, _frame):
+        if not stop_requested_at:
+            stop_requested_at.append(time.monotonic())
+            print(f"[rendezvous] stopping ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGINT)
+
+    # Handlers first: a signal that is caught (not ignored) here is reset to the default
+    # in serve run, so its Ctrl-C handling works even when we were started with SIGINT
+    # ignored (as a background job of a script is).
+    signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGTERM, forward)
     # Own session, so a terminal's Ctrl-C reaches serve run once, through us.
     child = subprocess.Popen(
         [sys.executable, "-m", "ray.serve.scripts", "run", config, *argv[1:]],
         env=env,
         start_new_session=True,
     )
-
-    stop_requested_at: list[float] = []
-
-    def forward(signum, _frame):
-        if not stop_requested_at:
-            stop_requested_at.append(time.monotonic())
-            print(f"[rendezvous] stopping ({signal.Signals(signum).name})", file=sys.stderr, flush=True)
-        if child.poll() is None:
-            child.send_signal(signal.SIGINT)
-
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(signal.SIGTERM, forward)
     try:
         code = _wait_for(child, stop_requested_at)
     finally:
@@ -50,18 +52,15 @@ def main(argv: list[str]) -> int:
 
 
 def _wait_for(child: subprocess.Popen, stop_requested_at: list[float]) -> int:
-    """The child's exit code. Once a stop was asked for, serve run gets SIGINT again every
-    few seconds (it shuts Serve and Ray down on it) and at most ``_STOP_GRACE_S`` in all;
-    then the caller's sweep ends whatever is left."""
+    """The child's exit code; once a stop was asked for, at most ``_STOP_GRACE_S`` more
+    (serve run shuts Serve and Ray down on SIGINT; a second SIGINT would abort that), then
+    the caller's sweep ends whatever is left."""
     while True:
         try:
-            return child.wait(timeout=_RESEND_SIGINT_S)
+            return child.wait(timeout=1)
         except subprocess.TimeoutExpired:
-            if not stop_requested_at:
-                continue
-            if time.monotonic() - stop_requested_at[0] > _STOP_GRACE_S:
+            if stop_requested_at and time.monotonic() - stop_requested_at[0] > _STOP_GRACE_S:
                 return -signal.SIGINT
-            child.send_signal(signal.SIGINT)
 
 
 if __name__ == "__main__":
