@@ -90,3 +90,24 @@ def test_no_replicas_is_an_error():
 )
 def test_snapshot_from_replica_stats(probed, stats, expected):
     assert snapshot_from_stats("r", probed, stats, now=100.0) == expected
+
+
+def test_requests_this_router_sent_count_before_the_published_stats_catch_up():
+    stale = {"rendezvous": {"ongoing": 0, "tokens_in_flight": 0, "recorded_at": 99.0}}
+    assert snapshot_from_stats("r", None, stale, now=100.0, sent_here=2).ongoing_requests == 2
+    assert snapshot_from_stats("r", 3, stale, now=100.0, sent_here=1).ongoing_requests == 3
+
+
+def test_router_counts_what_it_sent_until_each_request_completes():
+    from app.decode_router import LoadAwareDecodeRouter
+
+    router = LoadAwareDecodeRouter.__new__(LoadAwareDecodeRouter)
+    router._use_replica_queue_len_cache = False  # Serve's own cache is not under test here
+    router.initialize_state()
+    router.on_send_request("a")
+    router.on_send_request("a")
+    router.on_send_request("b")
+    router.on_request_completed("a", "req-1")
+    router.on_request_completed("b", "req-2")
+    router.on_request_completed("b", "req-3")  # a completion Serve reports twice never goes negative
+    assert dict(router._sent_here) == {"a": 1}
