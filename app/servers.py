@@ -91,6 +91,9 @@ class DecodeServer(PDDecodeServer):
         return self._serve(request, raw_request_info, "completions")
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        # Serve calls this every routing.stats_period_s; re-setting the load gauges here keeps
+        # them exported while idle (Ray exports a gauge only if it was set since the last export).
+        self._metrics.load(self._ongoing, self._tokens_in_flight)
         stats = await super().record_routing_stats() or {}
         stats[STATS_KEY] = {
             "ongoing": self._ongoing,

@@ -226,7 +226,7 @@ def test_client_disconnects_mid_stream_abort_both_legs_and_free_their_kv(client,
     with cf.ThreadPoolExecutor(32) as pool:
         assert all(pool.map(first_chunk_then_hang_up, range(32)))
     # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
-    client.metrics.wait_for(lambda s: _idle(s, "prefill") and _idle(s, "decode"), timeout_s=60)
+    client.metrics.wait_for(lambda s: _idle(s, "prefill") and _idle(s, "decode"), timeout_s=60, poll_s=0.5)
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
@@ -264,12 +264,16 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
     finally:
         for pid in engines:
             os.kill(pid, signal.SIGCONT)
+    # First, while the engines still report: Ray exports a gauge only while it is being set,
+    # so an engine that has been idle for a while reports nothing at all.
+    client.metrics.wait_for(
+        lambda s: _idle(s, "decode") and _idle(s, "prefill"), timeout_s=handoff.kv_timeout_s + 30, poll_s=0.5
+    )
     assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
     deadline = time.monotonic() + 30
     while (grown := _requests_by_prefill_path(client) - before)["fallback"] < 2 and time.monotonic() < deadline:
         time.sleep(1)
     assert grown["fallback"] == 2, f"requests by prefill path: {dict(grown)}"
-    client.metrics.wait_for(lambda s: _idle(s, "decode") and _idle(s, "prefill"), timeout_s=handoff.kv_timeout_s + 30)
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
 
 
