@@ -50,6 +50,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
                 max_in_flight=app_args.ingress.max_in_flight,
                 retry_after_s=app_args.ingress.retry_after_s,
                 max_body_bytes=app_args.ingress.max_body_bytes,
+                api_key_env=app_args.ingress.api_key_env,
             ),
         ),
         name="OpenAiIngress",

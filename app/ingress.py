@@ -2,9 +2,13 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
-and a request size limit (413)."""
+a request size limit (413) and, when ``ingress.api_key_env`` names an environment variable,
+bearer-token authentication (401) on everything but ``/health``."""
 
 from __future__ import annotations
+
+import hmac
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +24,7 @@ _ERROR_TYPES = {
     429: "rate_limit_error",
 }
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+OPEN_PATHS = ("/health",)  # probes never carry the key
 
 
 def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -55,7 +60,9 @@ class Admission:
         self.in_flight -= 1
 
 
-def make_app(*, max_in_flight: int = 256, retry_after_s: int = 1, max_body_bytes: int = 8 << 20) -> FastAPI:
+def make_app(
+    *, max_in_flight: int = 256, retry_after_s: int = 1, max_body_bytes: int = 8 << 20, api_key_env: str | None = None
+) -> FastAPI:
     app = init()
     admission = Admission(max_in_flight)
 
@@ -95,6 +102,22 @@ def make_app(*, max_in_flight: int = 256, retry_after_s: int = 1, max_body_bytes
 
         response.body_iterator = body_then_leave()
         return response
+
+    if api_key_env:
+        # Added last, so it runs first: an unauthenticated request never takes a slot.
+        @app.middleware("http")
+        async def _authenticate(request: Request, call_next) -> Response:
+            if request.url.path in OPEN_PATHS:
+                return await call_next(request)
+            expected = os.environ.get(api_key_env)  # read in the replica's process, where the secret is
+            if not expected:
+                return openai_error(503, f"authentication is on (ingress.api_key_env) but {api_key_env} is not set here")
+            scheme, _, token = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+                return openai_error(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
+                )
+            return await call_next(request)
 
     app.state.admission = admission
     return app

@@ -13,8 +13,8 @@ from app.args import AppArgs
 from app.ingress import make_app
 
 
-def _app(limit: int):
-    app = make_app(max_in_flight=limit, retry_after_s=2, max_body_bytes=4096)
+def _app(limit: int, **kwargs):
+    app = make_app(max_in_flight=limit, retry_after_s=2, max_body_bytes=4096, **kwargs)
     release = asyncio.Event()
 
     @app.post("/v1/completions")
@@ -34,6 +34,10 @@ def _app(limit: int):
     @app.get("/v1/models")
     async def models():
         return {"data": []}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
 
     return app, release
 
@@ -115,3 +119,48 @@ def test_an_oversized_body_gets_413():
 def test_the_admission_limit_must_stay_below_serves():
     with pytest.raises(ValueError, match="must be below max_ongoing_requests"):
         AppArgs.parse({"ingress": {"max_in_flight": 256, "max_ongoing_requests": 256}})
+
+
+def test_with_an_api_key_every_route_but_health_needs_it(monkeypatch):
+    monkeypatch.setenv("TEST_RDV_KEY", "s3cret")
+
+    async def go():
+        app, release = _app(limit=4, api_key_env="TEST_RDV_KEY")
+        release.set()
+        async with _client(app) as client:
+            return {
+                "none": await client.get("/v1/models"),
+                "wrong": await client.post("/v1/completions", json={}, headers={"Authorization": "Bearer nope"}),
+                "basic": await client.get("/v1/models", headers={"Authorization": "Basic s3cret"}),
+                "right": await client.post("/v1/completions", json={}, headers={"Authorization": "Bearer s3cret"}),
+                "health": await client.get("/health"),
+            }, app.state.admission.in_flight
+
+    responses, in_flight = asyncio.run(go())
+    for name in ("none", "wrong", "basic"):
+        r = responses[name]
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", name
+        assert r.json()["error"]["type"] == "authentication_error"
+    assert responses["right"].status_code == 200 and responses["health"].status_code == 200
+    assert in_flight == 0
+
+
+def test_an_api_key_variable_that_is_not_set_is_a_clear_503(monkeypatch):
+    monkeypatch.delenv("TEST_RDV_KEY", raising=False)
+
+    async def go():
+        app, _ = _app(limit=1, api_key_env="TEST_RDV_KEY")
+        async with _client(app) as client:
+            return await client.get("/v1/models", headers={"Authorization": "Bearer x"})
+
+    r = asyncio.run(go())
+    assert r.status_code == 503 and "TEST_RDV_KEY is not set" in r.json()["error"]["message"]
+
+
+def test_without_an_api_key_nothing_is_asked():
+    async def go():
+        app, _ = _app(limit=1)
+        async with _client(app) as client:
+            return await client.get("/v1/models")
+
+    assert asyncio.run(go()).status_code == 200

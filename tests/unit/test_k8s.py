@@ -219,7 +219,7 @@ def test_devices_per_pod_times_pods_cover_tp_times_replicas(overlay, config):
         limits = container["resources"]["limits"]
         assert parse_quantity(limits[EFA_DEVICE]) >= 1 and parse_quantity(limits[HUGEPAGES]) > 0
         assert container["resources"]["requests"] == limits
-        env = {e["name"]: e["value"] for e in container["env"]}
+        env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and env["FI_EFA_FORK_SAFE"] == "1"
         volumes = {v["name"]: v for v in group["template"]["spec"]["volumes"]}
         shm = next(m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm")
@@ -518,3 +518,17 @@ def test_deploy_stays_pure(rel):
     assert not [str(i) for i in imports if i.top in HEAVY]
     ours = {i.module.replace(".", "/") + ".py" for i in imports if i.top in ("app", "connector")}
     assert ours <= set(PURE), sorted(ours - set(PURE))
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
+    """ingress.api_key_env: any pod may host an ingress replica, so every container gets the
+    variable, from the Secret docs/deploy-eks.md says to create."""
+    (application,) = yaml.safe_load(config.read_text())["applications"]
+    name = AppArgs.parse(application["args"]).ingress.api_key_env
+    assert name, f"{config}: the k8s configs turn bearer auth on"
+    cluster = rayservice(rendered(overlay, config))["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
+        assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rendezvous-api-key", "key": "api-key"}
