@@ -68,23 +68,6 @@ def find_processes(run_id: str | None) -> list[int]:
     return pids
 
 
-def orphaned_engines() -> list[int]:
-    """vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) whose parent died."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if comm.startswith("VLLM::") and ppid == 1:
-            pids.append(int(entry.name))
-    return pids
-
-
 def _stat(pid: int) -> tuple[str, int] | None:
     """(comm, ppid) of ``pid``, or None once it is gone."""
     try:
@@ -94,25 +77,34 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return stat[stat.index("(") + 1 : stat.rindex(")")], int(stat.rsplit(")", 1)[1].split()[1])
 
 
+def _all_stats() -> dict[int, tuple[str, int]]:
+    """(comm, ppid) of every process."""
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            stats[int(entry.name)] = stat
+    return stats
+
+
+def orphaned_engines() -> list[int]:
+    """vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) whose parent died."""
+    return [pid for pid, (comm, ppid) in _all_stats().items() if comm.startswith("VLLM::") and ppid == 1]
+
+
 def engine_processes(deployment: str) -> list[int]:
     """vLLM engine processes (EngineCore and its workers) under the Serve replicas whose
     deployment name starts with ``deployment`` (e.g. ``Prefill``) — for fault injection."""
-    parent, replicas = {}, set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or (stat := _stat(int(entry.name))) is None:
-            continue
-        parent[int(entry.name)] = stat[1]
-        if re.match(rf"ray::ServeReplica:[^:]+:{re.escape(deployment)}", _cmdline(int(entry.name))):
-            replicas.add(int(entry.name))
+    stats = _all_stats()
+    replicas = {pid for pid in stats if re.match(rf"ray::ServeReplica:[^:]+:{re.escape(deployment)}", _cmdline(pid))}
 
     def under_a_replica(pid: int) -> bool:
         while pid > 1:
-            pid = parent.get(pid, 1)
+            pid = stats.get(pid, ("", 1))[1]
             if pid in replicas:
                 return True
         return False
 
-    return sorted(p for p in parent if under_a_replica(p) and (_stat(p) or ("",))[0].startswith("VLLM::"))
+    return sorted(pid for pid, (comm, _) in stats.items() if comm.startswith("VLLM::") and under_a_replica(pid))
 
 
 def kill_run(run_id: str | None, grace_s: float = 10.0) -> list[int]:
