@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.routing import RoutingPolicy
-from connector.params import TransferMode
+from connector.params import WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
 
 
@@ -184,7 +184,7 @@ class HandoffArgs(_Strict):
     kv_timeout_s: float = Field(
         60.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
         "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
-        "within 5 s of this deadline. Must exceed prefill_timeout_s."
+        f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
     )
 
     @model_validator(mode="after")

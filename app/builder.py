@@ -43,16 +43,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     )
     model_id = app_args.model.id
     ingress = serve.deployment(
-        make_fastapi_ingress(
-            Ingress,
-            endpoint_map=ENDPOINTS,
-            app=make_app(
-                max_in_flight=app_args.ingress.max_in_flight,
-                retry_after_s=app_args.ingress.retry_after_s,
-                max_body_bytes=app_args.ingress.max_body_bytes,
-                api_key_env=app_args.ingress.api_key_env,
-            ),
-        ),
+        make_fastapi_ingress(Ingress, endpoint_map=ENDPOINTS, app=make_app(app_args.ingress)),
         name="OpenAiIngress",
         num_replicas=app_args.ingress.replicas,
         max_ongoing_requests=app_args.ingress.max_ongoing_requests,

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.args import IngressArgs
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -60,11 +62,11 @@ class Admission:
         self.in_flight -= 1
 
 
-def make_app(
-    *, max_in_flight: int = 256, retry_after_s: int = 1, max_body_bytes: int = 8 << 20, api_key_env: str | None = None
-) -> FastAPI:
+def make_app(args: IngressArgs | None = None) -> FastAPI:
+    args = args or IngressArgs()
+    retry_after_s, max_body_bytes, api_key_env = args.retry_after_s, args.max_body_bytes, args.api_key_env
     app = init()
-    admission = Admission(max_in_flight)
+    admission = Admission(args.max_in_flight)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -26,6 +26,8 @@ CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PU
 # kv_connector_extra_config key of our push connector: seconds decode waits for pushed KV
 # (see connector/vllm_connectors.py).
 KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
+# Prefill never starts a WRITE into a registration this close to its expiry.
+WRITE_MARGIN_S = 5.0
 
 # vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
 # internal id is ``<prefix><external id>`` once id randomization is disabled.

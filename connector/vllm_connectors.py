@@ -48,14 +48,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from connector.params import KV_TIMEOUT_KEY
+from connector.params import KV_TIMEOUT_KEY, WRITE_MARGIN_S
 
 logger = logging.getLogger("rendezvous.vllm_connectors")
 
 _PR_SET_PDEATHSIG = 1
 
 EXPIRES_KEY = "rendezvous_expires_at"  # added to each push registration (wall clock, seconds)
-WRITE_MARGIN_S = 5.0
 
 
 def die_with_parent() -> bool:

@@ -9,12 +9,12 @@ import httpx
 import pytest
 from fastapi.responses import StreamingResponse
 
-from app.args import AppArgs
+from app.args import AppArgs, IngressArgs
 from app.ingress import make_app
 
 
 def _app(limit: int, **kwargs):
-    app = make_app(max_in_flight=limit, retry_after_s=2, max_body_bytes=4096, **kwargs)
+    app = make_app(IngressArgs(max_in_flight=limit, retry_after_s=2, max_body_bytes=4096, **kwargs))
     release = asyncio.Event()
 
     @app.post("/v1/completions")
