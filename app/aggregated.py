@@ -29,7 +29,8 @@ def aggregated_llm_config(args: AppArgs, model_source: str) -> dict[str, Any]:
     config = llm_config(args, Role.DECODE, model_source)
     experimental = dict(config.pop("experimental_configs", {}))
     settings = EngineSettings.from_dict(experimental.pop(SETTINGS_KEY))
-    engine_kwargs = {k: v for k, v in config["engine_kwargs"].items() if k != "kv_transfer_config"}
+    # As configured: no KV transfer, and no conversations here to turn the prefix cache on for.
+    engine_kwargs = args.engine_kwargs_for(Role.DECODE)
     config = {**config, "engine_kwargs": engine_kwargs, "runtime_env": {"env_vars": dict(settings.env)}}
     if experimental:
         config["experimental_configs"] = experimental

@@ -197,6 +197,21 @@ class HandoffArgs(_Strict):
         return self
 
 
+class ConversationArgs(_Strict):
+    enabled: bool = Field(
+        True, description="Requests with a `conversation_id` (body field or X-Conversation-Id header) go to the decode "
+        "replica holding the conversation's KV, and prefill reuses that history instead of recomputing it (push mode). "
+        "Turns decode's prefix cache on; requests without an id still never share cached KV."
+    )
+    retention_s: float = Field(
+        480.0, gt=0, description="Decode keeps a conversation reusable this long after its last turn ended. Retained "
+        "blocks are ordinary prefix-cache blocks: evicted least-recently-used first when new requests need room."
+    )
+    recompute_threshold: int = Field(
+        64, ge=0, description="Prefill recomputes instead of reading history back when fewer tokens than this are reusable."
+    )
+
+
 class AppArgs(_Strict):
     model: ModelArgs = Field(default_factory=ModelArgs)
     mode: TransferMode = Field(TransferMode.PUSH, description="push: NIXL WRITE from prefill, decode picked at arrival; pull: decode READs after prefill.")
@@ -214,6 +229,7 @@ class AppArgs(_Strict):
     ingress: IngressArgs = Field(default_factory=IngressArgs)
     routing: RoutingArgs = Field(default_factory=RoutingArgs)
     handoff: HandoffArgs = Field(default_factory=HandoffArgs)
+    conversations: ConversationArgs = Field(default_factory=ConversationArgs)
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
@@ -236,6 +252,8 @@ class AppArgs(_Strict):
                     self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))
                 except ValueError as e:
                     problems.append(str(e))
+        if self.conversations.enabled and self.decode.engine_kwargs.get("enable_prefix_caching") is False:
+            problems.append("decode.engine_kwargs.enable_prefix_caching: conversations need it; set conversations.enabled: false")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -244,7 +262,14 @@ class AppArgs(_Strict):
         return self.prefill if role is Role.PREFILL else self.decode
 
     def engine_kwargs_for(self, role: Role) -> dict[str, Any]:
+        """The role's engine arguments as configured (the engines get ``llm_configs``' version)."""
         return {**self.engine_kwargs, **self.role(role).engine_kwargs}
+
+    @property
+    def isolate_uncached_requests(self) -> bool:
+        """Conversations turn decode's prefix cache on where the config has it off: every
+        other request then gets its own cache salt, and behaves as configured (no cache hits)."""
+        return self.conversations.enabled and self.engine_kwargs_for(Role.DECODE).get("enable_prefix_caching") is False
 
     @classmethod
     def parse(cls, raw: "AppArgs | dict[str, Any] | None") -> "AppArgs":

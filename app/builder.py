@@ -38,6 +38,8 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "mode": app_args.mode.value,
             "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens,
             "prefill_timeout_s": app_args.handoff.prefill_timeout_s,
+            "conversations": app_args.conversations if app_args.conversations.enabled else None,
+            "isolate_uncached": app_args.isolate_uncached_requests,
         },
         deployment_cls=DecodeServer,
     )

@@ -13,6 +13,12 @@ from two sources and runs the configured pipeline:
   and KV capacity, with the time they were recorded. They reach the router through Serve's
   controller, a few seconds late on a busy box, but they count every router's requests.
 
+Conversation affinity: a request with an ``X-Conversation-Id`` header scores its
+conversation's holder highest. Holders are known from what each replica publishes (the
+conversations it served most recently, retained or expired — an expired one's next turn
+still goes there and is told it expired — so every ingress replica learns them within a
+few seconds) and from this router's own recent picks.
+
 It returns the pick first and the others by score, so Serve falls through to the next
 best when the pick is at ``max_ongoing_requests``.
 """
@@ -21,20 +27,37 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
+from app.conversations import CONVERSATION_HEADER
 from app.routing import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 
-logger = logging.getLogger("rendezvous.routing")
+logger = logging.getLogger("ray.serve.rendezvous.routing")
 
 STATS_KEY = "rendezvous"
+# This router remembers where it sent a conversation for this long (and this many), until
+# the replica's published stats say so too; a stale entry only costs a missed reuse.
+_LOCAL_AFFINITY_S = 600.0
+_LOCAL_AFFINITY_MAX = 100_000
+
+
+def conversation_of(pending_request) -> str | None:
+    """The conversation id of a request to ``DecodeServer.chat/completions(body, raw_request_info)``."""
+    args = getattr(pending_request, "args", None) or ()
+    headers = getattr(args[1], "headers", None) if len(args) > 1 else None
+    return (headers or {}).get(CONVERSATION_HEADER)
 
 
 def snapshot_from_stats(
-    replica_id: str, probed_queue_len: int | None, stats: dict[str, Any] | None, now: float, sent_here: int = 0
+    replica_id: str,
+    probed_queue_len: int | None,
+    stats: dict[str, Any] | None,
+    now: float,
+    sent_here: int = 0,
+    holds_conversation: bool = False,
 ) -> ReplicaSnapshot:
     ours = (stats or {}).get(STATS_KEY) or {}
     ongoing = max(sent_here, probed_queue_len or 0, int(ours.get("ongoing", 0)))
@@ -47,6 +70,7 @@ def snapshot_from_stats(
         tokens_in_flight=tokens,
         kv_usage=(tokens / capacity) if capacity else None,
         stats_age_s=(now - recorded) if recorded else None,
+        holds_conversation=holds_conversation,
     )
 
 
@@ -54,6 +78,8 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
         self._policy = RoutingPolicy.model_validate(policy or {})
         self._sent_here: Counter = Counter()  # ReplicaID -> requests sent by this router, not completed
+        self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # conversation -> (replica, when)
+        self._published: dict[str, tuple[Any, frozenset]] = {}  # replica -> (recorded_at, conversations)
 
     def on_send_request(self, replica_id) -> None:
         super().on_send_request(replica_id)
@@ -71,13 +97,21 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
             return []
         now = time.time()
         by_id = {str(r.replica_id): r for r in candidate_replicas}
+        conversation = conversation_of(pending_request)
+        holders = self._holders(conversation, by_id, now) if conversation else set()
         snapshots = [
             snapshot_from_stats(
-                rid, self._replica_queue_len_cache.get(r.replica_id), r.routing_stats, now, self._sent_here[r.replica_id]
+                rid, self._replica_queue_len_cache.get(r.replica_id), r.routing_stats, now, self._sent_here[r.replica_id],
+                holds_conversation=rid in holders,
             )
             for rid, r in by_id.items()
         ]
-        decision = pick(self._policy, RouteRequest(), snapshots)
+        decision = pick(self._policy, RouteRequest(conversation_id=conversation), snapshots)
+        if conversation:
+            self._picked[conversation] = (decision.replica_id, now)
+            self._picked.move_to_end(conversation)
+            if len(self._picked) > _LOCAL_AFFINITY_MAX:
+                self._picked.popitem(last=False)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "decode pick %s scores=%s filtered=%s fallback=%s",
@@ -88,3 +122,19 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
         if rest:
             ranks.append([by_id[rid] for rid in rest])
         return ranks
+
+    def _holders(self, conversation: str, by_id: dict, now: float) -> set[str]:
+        holders = set()
+        for rid, replica in by_id.items():
+            ours = (replica.routing_stats or {}).get(STATS_KEY) or {}
+            recorded = ours.get("recorded_at")
+            cached = self._published.get(rid)
+            if cached is None or cached[0] != recorded:
+                cached = (recorded, frozenset(ours.get("conversations") or ()))
+                self._published[rid] = cached
+            if conversation in cached[1]:
+                holders.add(rid)
+        picked = self._picked.get(conversation)
+        if picked is not None and now - picked[1] < _LOCAL_AFFINITY_S and picked[0] in by_id:
+            holders.add(picked[0])
+        return holders

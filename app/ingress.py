@@ -3,11 +3,16 @@ bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admissio
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
 a request size limit (413) and, when ``ingress.api_key_env`` names an environment variable,
-bearer-token authentication (401) on everything but ``/health``."""
+bearer-token authentication (401) on everything but ``/health``.
+
+A ``conversation_id`` body field is validated and moved into the ``X-Conversation-Id``
+header (where the decode router and replicas read it), so vLLM never sees an unknown
+field; the header alone works too."""
 
 from __future__ import annotations
 
 import hmac
+import json
 import os
 
 from fastapi import FastAPI, Request
@@ -16,6 +21,7 @@ from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, Open
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.args import IngressArgs
+from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -79,6 +85,9 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
+        problem = await _take_conversation_id(request, max_body_bytes)
+        if problem is not None:
+            return problem
         if not admission.try_enter():
             return openai_error(
                 429,
@@ -123,6 +132,33 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
 
     app.state.admission = admission
     return app
+
+
+async def _take_conversation_id(request: Request, max_body_bytes: int) -> Response | None:
+    """Move a body ``conversation_id`` into the header; an error response if it is invalid."""
+    body = await request.body()
+    if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
+        return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
+    header = request.headers.get(CONVERSATION_HEADER)
+    conversation_id = header
+    if b'"conversation_id"' in body:
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # not JSON: FastAPI reports it
+        if isinstance(payload, dict) and "conversation_id" in payload:
+            conversation_id = payload.pop("conversation_id")
+            if header is not None and conversation_id != header:
+                return openai_error(400, "conversation_id and the X-Conversation-Id header differ", param="conversation_id")
+            request._body = json.dumps(payload).encode()  # what the endpoint will read
+    if conversation_id is None:
+        return None
+    if not isinstance(conversation_id, str) or not CONVERSATION_ID_PATTERN.fullmatch(conversation_id):
+        return openai_error(400, f"conversation_id must be {CONVERSATION_ID_RULE}", param="conversation_id")
+    headers = [(k, v) for k, v in request.scope["headers"] if k not in (b"content-length", CONVERSATION_HEADER.encode())]
+    headers += [(b"content-length", str(len(request._body)).encode()), (CONVERSATION_HEADER.encode(), conversation_id.encode())]
+    request.scope["headers"] = headers
+    return None
 
 
 class Ingress(OpenAiIngress):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.args import Accelerator, AppArgs
-from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, KV_TIMEOUT_KEY, TransferMode
+from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, KV_TIMEOUT_KEY, RECOMPUTE_THRESHOLD_KEY, TransferMode
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 
@@ -31,6 +31,7 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
     extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
     if args.mode is TransferMode.PUSH:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
+        extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -106,6 +107,8 @@ def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
 def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
     role_args = args.role(role)
     engine_kwargs = {**args.engine_kwargs_for(role), "kv_transfer_config": kv_transfer_config(args, role)}
+    if role is Role.DECODE and args.conversations.enabled:
+        engine_kwargs["enable_prefix_caching"] = True  # where conversations are retained (app.conversations)
     hardware: dict[str, Any] = {"placement_group_config": placement_group_config(args, role)}
     if args.accelerator is Accelerator.CPU:
         hardware = {"accelerator_config": {"kind": "cpu"}, **hardware}

@@ -30,12 +30,15 @@ class ReplicaSnapshot:
     healthy: bool = True
     # Seconds since the replica's stats were recorded; None = never reported.
     stats_age_s: float | None = None
+    # It retains the KV of the request's conversation.
+    holds_conversation: bool = False
 
 
 @dataclass(frozen=True)
 class RouteRequest:
     prompt_tokens: int = 0
     max_tokens: int = 0
+    conversation_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -76,11 +79,16 @@ def _kv_free(req: RouteRequest, r: ReplicaSnapshot, peers: Sequence[ReplicaSnaps
     return 0.5 if r.kv_usage is None else max(0.0, min(1.0, 1.0 - r.kv_usage))
 
 
+def _conversation(req: RouteRequest, r: ReplicaSnapshot, peers: Sequence[ReplicaSnapshot]) -> float:
+    return 1.0 if req.conversation_id and r.holds_conversation else 0.0
+
+
 FILTERS: dict[str, Filter] = {"healthy": _healthy, "kv_room": _kv_room}
 SCORERS: dict[str, Scorer] = {
     "least_ongoing": _least_ongoing,
     "least_tokens": _least_tokens,
     "kv_free": _kv_free,
+    "conversation": _conversation,
 }
 
 
@@ -95,8 +103,10 @@ class RoutingPolicy(BaseModel):
 
     filters: list[str] = Field(["healthy", "kv_room"], description=f"Filters, in order; known: {sorted(FILTERS)}.")
     scorers: dict[str, float] = Field(
-        {"least_ongoing": 1.0, "least_tokens": 1.0, "kv_free": 0.5},
-        description=f"Scorer name → weight; known: {sorted(SCORERS)}.",
+        {"least_ongoing": 1.0, "least_tokens": 1.0, "kv_free": 0.5, "conversation": 4.0},
+        description=f"Scorer name → weight; known: {sorted(SCORERS)}. `conversation` (1 for the replica holding the "
+        "request's conversation) outweighs the load scorers together by default: a turn goes where its history is "
+        "unless a filter excludes that replica.",
     )
     max_kv_usage: float = Field(0.95, gt=0, le=1, description="kv_room filter: skip replicas whose KV use is above this.")
     max_stats_age_s: float = Field(10.0, gt=0, description="Engine stats older than this are ignored by filters.")

@@ -12,8 +12,13 @@ and sends both legs concurrently. ``DecodeServer`` adds:
 * a handoff that cannot hang — the prefill leg has ``prefill_timeout_s``; if it times out
   or fails before decode produced anything, decode prefills the prompt itself
   (``fallback``) instead of waiting for KV that will never come, or failing the request;
-* the load it carries (requests and tokens in flight, KV capacity), published for the
-  router through Serve's ``record_routing_stats`` hook, and counted in metrics.
+* conversations — a turn with a ``conversation_id`` gets its conversation's prefix-cache
+  salt on decode, and, when this replica still retains the conversation, both legs ask
+  the engines to reuse the history (``app.conversations``, ``connector.push_reuse``);
+  what happened to each turn's history is logged and counted;
+* the load it carries (requests and tokens in flight, KV capacity) and the conversations
+  it retains, published for the router through Serve's ``record_routing_stats`` hook,
+  and counted in metrics.
 """
 
 from __future__ import annotations
@@ -27,18 +32,15 @@ from typing import Any
 
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
-from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import (
-    PDDecodeServer,
-    PDPrefillServer,
-    _drain_prefill,
-)
+from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
 from app.decode_router import STATS_KEY
-from connector.params import new_transfer_request_id
+from connector.params import REUSE_KEY, REUSE_REPORT_KEY, new_transfer_request_id
 from connector.ray_backend import register_backends
 
-logger = logging.getLogger("rendezvous.servers")
+logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
 
 # Replicas import this module when they unpickle their class; registering here makes the
 # backends resolvable in every process, whoever built the app.
@@ -46,6 +48,8 @@ register_backends()
 
 # Output budget assumed for load accounting when a request sets no max_tokens.
 _DEFAULT_OUTPUT_BUDGET = 256
+# Most recently used conversations a replica publishes to the routers (bounds the stats).
+_PUBLISHED_CONVERSATIONS = 2000
 
 
 class PrefillServer(PDPrefillServer):
@@ -72,6 +76,8 @@ class DecodeServer(PDDecodeServer):
         mode: str = "push",
         local_prefill_below_tokens: int = 0,
         prefill_timeout_s: float = 30.0,
+        conversations=None,
+        isolate_uncached: bool = False,
         **kwargs,
     ):
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
@@ -83,6 +89,10 @@ class DecodeServer(PDDecodeServer):
         self._tokens_in_flight = 0
         self._metrics = DecodeMetrics(mode)
         self._late_prefills: set[asyncio.Task] = set()  # kept referenced until they end
+        # ConversationArgs, or None when conversations are off.
+        self._conversations = ConversationTable(conversations.retention_s) if conversations else None
+        self._isolate_uncached = isolate_uncached
+        self._reuse_reports: dict[str, dict] = {}  # request id -> prefill's report, until the turn ends
 
     async def chat(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "chat")
@@ -95,16 +105,31 @@ class DecodeServer(PDDecodeServer):
         # them exported while idle (Ray exports a gauge only if it was set since the last export).
         self._metrics.load(self._ongoing, self._tokens_in_flight)
         stats = await super().record_routing_stats() or {}
+        now = time.time()
         stats[STATS_KEY] = {
             "ongoing": self._ongoing,
             "tokens_in_flight": self._tokens_in_flight,
             "kv_capacity_tokens": self._kv_capacity_tokens(),
-            "recorded_at": time.time(),
+            "recorded_at": now,
         }
+        if self._conversations is not None:
+            stats[STATS_KEY]["conversations"] = self._conversations.known(_PUBLISHED_CONVERSATIONS)
+            self._metrics.retained(len(self._conversations.held(now)))
         return stats
 
     async def _serve(self, request, raw_request_info, endpoint: str):
-        request = request.model_copy(update={"request_id": new_transfer_request_id()})
+        # Client-sent kv_transfer_params never reach an engine: they name peers to connect to.
+        update: dict[str, Any] = {"request_id": new_transfer_request_id(), "kv_transfer_params": None}
+        turn = self._begin_turn(request, raw_request_info)
+        if turn is not None:
+            update["cache_salt"] = _salt(request, turn.cache_salt)
+            if turn.reuse and self._mode == "push":
+                update["kv_transfer_params"] = {REUSE_KEY: True}  # both legs (connector.ray_backend)
+        elif self._isolate_uncached:
+            update["cache_salt"] = _salt(request, update["request_id"])
+        request = request.model_copy(update=update)
+        if turn is not None:
+            self._reuse_reports[request.request_id] = None  # filled in by the prefill leg, if it reports
         prompt_tokens = self._count_prompt_tokens(request)
         route = _Route("local" if prompt_tokens < self._local_below else "remote")
         logger.debug("request %s: %d prompt tokens, %s prefill", request.request_id, prompt_tokens, route.prefill)
@@ -127,6 +152,35 @@ class DecodeServer(PDDecodeServer):
             self._tokens_in_flight -= cost
             self._metrics.load(self._ongoing, self._tokens_in_flight)
             self._metrics.finished(route.prefill, getattr(request, "stream", False), first, time.monotonic() - started)
+            if turn is not None:
+                self._end_turn(turn, route, request.request_id, prompt_tokens)
+
+    def _begin_turn(self, request, raw_request_info) -> Turn | None:
+        headers = getattr(raw_request_info, "headers", None) or {}
+        conversation_id = headers.get(CONVERSATION_HEADER)
+        if not conversation_id or self._conversations is None:
+            return None
+        return self._conversations.begin(conversation_id, time.time(), continues_a_conversation(request))
+
+    def _end_turn(self, turn: Turn, route: _Route, request_id: str, prompt_tokens: int) -> None:
+        self._conversations.end(turn, time.time())
+        report = self._reuse_reports.pop(request_id, None)
+        if not turn.reuse:
+            outcome = turn.reason
+        elif route.prefill != "remote":
+            outcome = route.prefill  # local: decode prefilled it from its own cache; fallback
+        elif self._mode != "push":
+            outcome = "unsupported"  # pull: prefill recomputes; decode still reads only the new tail
+        else:
+            outcome = report["reason"] if report else "unreported"
+        report = report or {}
+        reused, pushed = report.get("reused_tokens", 0), report.get("pushed_tokens", 0)
+        per_token = report.get("kv_bytes_per_token", 0)
+        self._metrics.turn(outcome, reused, prompt_tokens - reused, reused * per_token, pushed * per_token)
+        logger.info(
+            "conversation %s, request %s: history %s; %d prompt tokens, %d reused (%d B read back), %d pushed (%d B)",
+            turn.conversation_id, request_id, outcome, prompt_tokens, reused, reused * per_token, pushed, pushed * per_token,
+        )
 
     async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, route: _Route):
         """Disaggregated prefill; if the handoff fails before anything reached the client,
@@ -182,6 +236,7 @@ class DecodeServer(PDDecodeServer):
         :class:`HandoffFailed` if it fails or times out before decode's first chunk. Once
         decode produced a chunk its KV has arrived, and a later prefill failure is moot."""
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
+        prefill.add_done_callback(lambda task: self._keep_reuse_report(decode_request.request_id, task))
         decode = await getattr(LLMServer, method)(self, decode_request, raw_request_info)
         chunks = decode.__aiter__()
         next_chunk = asyncio.ensure_future(chunks.__anext__())
@@ -223,14 +278,23 @@ class DecodeServer(PDDecodeServer):
                 prefill.add_done_callback(self._late_prefills.discard)
 
 
+    def _keep_reuse_report(self, request_id: str, prefill: asyncio.Task) -> None:
+        if self._conversations is None or prefill.cancelled() or prefill.exception() is not None:
+            return
+        _, report = prefill.result()
+        if report is not None and request_id in self._reuse_reports:  # its turn has not ended
+            self._reuse_reports[request_id] = report
+
     def _count_prompt_tokens(self, request) -> int:
         """Prompt tokens of ``request``; unknown counts as long enough to disaggregate."""
         if self._tokenizer is None:
             return self._local_below
         try:
             if hasattr(request, "messages"):
+                # return_dict=False: transformers 5 returns a BatchEncoding (2 keys) by default.
                 return len(self._tokenizer.apply_chat_template(
-                    [_plain_message(m) for m in request.messages], add_generation_prompt=True, tokenize=True
+                    [_plain_message(m) for m in request.messages], add_generation_prompt=True, tokenize=True,
+                    return_dict=False,
                 ))
             prompt = request.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
@@ -284,6 +348,40 @@ class DecodeMetrics:
             tag_keys=("mode",),
         )
 
+        self._turns = Counter(
+            "rendezvous_conversation_turns",
+            description="Conversation turns by what happened to their history: reused (prefill read it back from "
+            "decode), local (decode prefilled the turn from its own cache), or why not: first_turn, expired, "
+            "replica_gone, threshold, no_match, no_offer, unsupported (pull), fallback, unreported.",
+            tag_keys=("mode", "history"),
+        )
+        self._history_tokens = Counter(
+            "rendezvous_conversation_prompt_tokens",
+            description="Prompt tokens of conversation turns: reused (read back from decode) or computed by prefill.",
+            tag_keys=("mode", "kind"),
+        )
+        self._kv_bytes = Counter(
+            "rendezvous_conversation_kv_bytes",
+            description="KV bytes of conversation turns (from token counts): d_to_p = history read back by prefill, "
+            "p_to_d = new tail pushed to decode.",
+            tag_keys=("mode", "direction"),
+        )
+        self._retained = Gauge(
+            "rendezvous_conversations_retained", description="Conversations a decode replica retains.", tag_keys=("mode",)
+        )
+
+    def turn(self, history: str, reused: int, computed: int, read_back_bytes: int, pushed_bytes: int) -> None:
+        self._turns.inc(tags={**self._tags, "history": history})
+        for kind, tokens in (("reused", reused), ("computed", computed)):
+            if tokens > 0:
+                self._history_tokens.inc(tokens, tags={**self._tags, "kind": kind})
+        for direction, size in (("d_to_p", read_back_bytes), ("p_to_d", pushed_bytes)):
+            if size > 0:
+                self._kv_bytes.inc(size, tags={**self._tags, "direction": direction})
+
+    def retained(self, conversations: int) -> None:
+        self._retained.set(conversations, tags=self._tags)
+
     def load(self, ongoing: int, tokens: int) -> None:
         self._ongoing.set(ongoing, tags=self._tags)
         self._tokens.set(tokens, tags=self._tags)
@@ -303,14 +401,36 @@ def _server_error(chunk: Any) -> str | None:
     return None
 
 
+async def _drain_prefill(prefill_resp) -> tuple[ErrorResponse | None, dict | None]:
+    """Consume a push-mode prefill response: (its error, if any; its reuse report, if any).
+    Ray's ``_drain_prefill`` does the same but drops the response's kv_transfer_params."""
+    last = None
+    try:
+        async for chunk in prefill_resp:
+            if isinstance(chunk, ErrorResponse):
+                return chunk, None
+            last = chunk
+    except TypeError:  # a non-streaming response
+        last = await prefill_resp
+        if isinstance(last, ErrorResponse):
+            return last, None
+    params = getattr(last, "kv_transfer_params", None) or {}
+    return None, params.get(REUSE_REPORT_KEY)
+
+
 def _prefill_failure(prefill: asyncio.Task) -> str | None:
     try:
-        result = prefill.result()
+        result, _ = prefill.result()
     except BaseException as exc:
         return f"prefill failed: {exc or type(exc).__name__}"
     if isinstance(result, ErrorResponse):
         return f"prefill returned {result.error.code}: {result.error.message}"
     return None
+
+
+def _salt(request, salt: str) -> str:
+    """Our prefix-cache salt, kept apart by the client's own (vLLM's ``cache_salt``) if any."""
+    return f"{request.cache_salt}|{salt}" if getattr(request, "cache_salt", None) else salt
 
 
 def _plain_message(message: Any) -> dict:

@@ -29,6 +29,17 @@ KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 
+# Conversation turns (both legs' kv_transfer_params): decode offers the history it holds
+# in its push registration; prefill waits for that offer, READs the verified prefix back
+# and computes only the rest (connector/vllm_connectors.py).
+REUSE_KEY = "rendezvous_reuse"
+# What prefill did about reuse, in the kv_transfer_params of its response.
+REUSE_REPORT_KEY = "rendezvous_reuse_report"
+# vLLM's own kv_connector_extra_config key: fewer reusable tokens than this are recomputed.
+RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
+# How long prefill waits for decode's offer before it computes the whole prompt.
+REUSE_OFFER_WAIT_S = 2.0
+
 # vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
 # internal id is ``<prefix><external id>`` once id randomization is disabled.
 _ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
@@ -67,14 +78,19 @@ def engine_request_id(endpoint: str, request_id: str) -> str:
     return _ENDPOINT_PREFIX[endpoint] + request_id
 
 
-def push_prefill_params() -> dict[str, Any]:
-    """Prefill leg in push mode: compute the prompt, then WRITE it to whoever registers."""
-    return {"do_remote_decode": True, "do_remote_prefill": False}
+def push_prefill_params(reuse: bool = False) -> dict[str, Any]:
+    """Prefill leg in push mode: compute the prompt, then WRITE it to whoever registers.
+    With ``reuse``, first READ the history that decode offers and compute only the rest."""
+    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if reuse:
+        params[REUSE_KEY] = True
+    return params
 
 
-def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str) -> dict[str, Any]:
-    """Decode leg in push mode: allocate blocks, register them with ``peer``, wait."""
-    return {
+def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str, reuse: bool = False) -> dict[str, Any]:
+    """Decode leg in push mode: allocate blocks, register them with ``peer``, wait. With
+    ``reuse``, the registration also offers the blocks of decode's prefix-cache hit."""
+    params: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": peer.engine_id,
@@ -85,6 +101,9 @@ def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str) -> di
         # The prefill engine extends its block lease on heartbeats naming this id exactly.
         "remote_request_id": prefill_engine_request_id,
     }
+    if reuse:
+        params[REUSE_KEY] = True
+    return params
 
 
 def pull_prefill_params() -> dict[str, Any]:

@@ -8,7 +8,9 @@ legs. Ray ships a backend for ``NixlConnector`` (pull) only; an unregistered nam
 we register our own for both vLLM connector names:
 
 * push (``requires_peer_binding`` + ``concurrent_handoff``): the decode leg carries the
-  bound prefill engine's identity and both legs go out at once with one request id;
+  bound prefill engine's identity and both legs go out at once with one request id; a
+  conversation turn marked for reuse by the orchestrator (``REUSE_KEY``) keeps the mark
+  on both legs;
 * pull (default sequential protocol): decode READs using what prefill returned.
 
 Pinned to ray 2.60 (``BaseConnectorBackend`` protocol) and vLLM 0.29.
@@ -32,6 +34,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnector
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
 from connector.params import (
     CONNECTOR_CLASS,
+    REUSE_KEY,
     PeerIdentity,
     TransferMode,
     engine_request_id,
@@ -41,11 +44,15 @@ from connector.params import (
 )
 from connector.ports import make_engine_id
 
-logger = logging.getLogger("rendezvous.connector")
+logger = logging.getLogger("ray.serve.rendezvous.connector")
 
 
 def _endpoint(request: Any) -> str:
     return "chat" if hasattr(request, "messages") else "completions"
+
+
+def _reuse(request: Any) -> bool:
+    return bool((getattr(request, "kv_transfer_params", None) or {}).get(REUSE_KEY))
 
 
 class _RendezvousNixlBackend(BaseConnectorBackend):
@@ -103,7 +110,7 @@ class NixlPushBackend(_RendezvousNixlBackend):
     def prepare_prefill_request(self, *, request, peer):
         prefill = request.model_copy(deep=True)
         prefill.request_id = request.request_id
-        prefill.kv_transfer_params = push_prefill_params()
+        prefill.kv_transfer_params = push_prefill_params(reuse=_reuse(request))
         clamp_request_to_single_token(prefill)
         return prefill
 
@@ -112,7 +119,7 @@ class NixlPushBackend(_RendezvousNixlBackend):
         decode = request.model_copy(deep=True)
         decode.request_id = request.request_id
         decode.kv_transfer_params = push_decode_params(
-            prefill_peer, engine_request_id(_endpoint(request), request.request_id)
+            prefill_peer, engine_request_id(_endpoint(request), request.request_id), reuse=_reuse(request)
         )
         return decode
 

@@ -115,11 +115,16 @@ def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
     assert text == expected.text, f"{case.name} (streamed): {text!r} != {expected.text!r}"
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "auto": 2}
+
+
 def kv_bytes_per_token(config: str) -> int:
-    model_dir = Path(resolve_model_source(app_args(config).model.source))
+    args = app_args(config)
+    model_dir = Path(resolve_model_source(args.model.source))
     cfg = json.loads((model_dir / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2  # K+V, bf16
+    dtype = _DTYPE_BYTES[str(args.engine_kwargs.get("dtype", "auto"))]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype  # K+V
 
 
 def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) -> None:

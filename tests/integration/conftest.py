@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, orphaned_engines
 from bench.engine_metrics import RoleMetrics
@@ -66,6 +67,15 @@ class Client:
 
     def post(self, path: str, **kwargs) -> httpx.Response:
         return self.http.post(path, **kwargs)
+
+
+def with_args(config: str, log_dir: Path, **args) -> str:
+    """``config`` with some app ``args`` replaced (e.g. a short retention for a test), as a new file."""
+    raw = yaml.safe_load(Path(config).read_text())
+    raw["applications"][0]["args"].update(args)
+    derived = log_dir / f"{Path(config).stem}-test.yaml"
+    derived.write_text(yaml.safe_dump(raw))
+    return str(derived)
 
 
 def app_client(config: str, log_dir: Path):

@@ -1,6 +1,7 @@
 """1 prefill : 2 decode on one box (configs/local-cpu-1p2d.yaml): per-replica ports and
 engine ids never clash, both decode replicas serve token-identical answers, the decode
-pick is load-aware, and short prompts are prefilled locally (no transfer)."""
+pick is load-aware, short prompts are prefilled locally (no transfer), and every turn of
+a conversation goes to the replica holding it until its retention (short here) ends."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import pytest
 
 from bench.engine_metrics import delta, scrape
 from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
-from tests.integration.conftest import app_client
+from tests.integration.conftest import app_client, with_args
+from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-1p2d.yaml"
+RETENTION_S = 30  # long enough for a turn on a slow CI box, short enough to wait out
 
 
 @pytest.fixture(scope="module")
 def client(log_dir):
-    yield from app_client(CONFIG, log_dir)
+    yield from app_client(with_args(CONFIG, log_dir, conversations={"retention_s": RETENTION_S}), log_dir)
 
 
 _HANDLED = ("ray_serve_deployment_request_counter_total", "ray_serve_deployment_error_counter_total")
@@ -121,3 +124,31 @@ def test_short_prompts_are_prefilled_locally_long_ones_remotely(client, referenc
     assert_token_identical(client, reference, CASE_BY_NAME["completion-long"])
     after = metrics.wait_for(lambda s: delta(s, before, "prefill", "nixl_xfer_time_seconds_count") >= 1)
     assert delta(after, before, "prefill", "nixl_xfer_time_seconds_count") == 1
+
+
+def _counted(after, before, history: str) -> float:
+    return after[("conversation_turns", history)] - before[("conversation_turns", history)]
+
+
+def test_every_turn_of_a_conversation_goes_to_the_replica_holding_it(client, reference):
+    """A turn on the other replica would find nothing held there (history: replica_gone)."""
+    before = settled_ours(client)
+    for name in ("affinity-a", "affinity-b"):
+        conversation = Conversation(name)
+        conversation.say(client, reference, user_text(1, 40))
+        conversation.say(client, reference, user_text(2, 10))
+        conversation.say(client, reference, user_text(3, 10))
+    after = wait_ours(client, lambda c: sum(_counted(c, before, h) for h in ("first_turn", "reused", "replica_gone")) >= 6)
+    assert (_counted(after, before, "first_turn"), _counted(after, before, "reused")) == (2, 4), after
+    assert _counted(after, before, "replica_gone") == 0
+
+
+def test_a_turn_after_retention_ended_is_served_in_full_and_correct(client, reference):
+    before = settled_ours(client)
+    conversation = Conversation("expiring")
+    conversation.say(client, reference, user_text(1, 40))
+    time.sleep(RETENTION_S + 2)
+    conversation.say(client, reference, user_text(2, 10))
+    after = wait_ours(client, lambda c: _counted(c, before, "expired") >= 1)
+    assert (_counted(after, before, "first_turn"), _counted(after, before, "expired")) == (1, 1), after
+    assert after[("conversation_prompt_tokens", "reused")] == before[("conversation_prompt_tokens", "reused")]

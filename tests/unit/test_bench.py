@@ -464,8 +464,8 @@ def test_load_arguments_are_ones_vllms_benchmark_accepts(tmp_path):
 # --------------------------------------------------------------------------- multi-turn
 
 
-def test_this_build_has_no_conversation_reuse():
-    assert conversation_reuse_available() is False
+def test_this_build_has_conversation_reuse():
+    assert conversation_reuse_available() is True
     assert "not available" in NOT_AVAILABLE
 
 

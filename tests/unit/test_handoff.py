@@ -36,6 +36,7 @@ def _server(monkeypatch, *, decode_after_s: float = 0.0, decode_chunks=("d1", "d
     server = DecodeServer.__new__(DecodeServer)
     server._prefill_timeout_s = timeout_s
     server._late_prefills = set()
+    server._conversations = None
     server.decode_closed, server.local_requests = [], []
 
     async def engine_completions(self, request, raw=None):
@@ -144,7 +145,7 @@ def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_th
     ],
 )
 def test_registration_expiry(registration, now, margin, expired):
-    from connector.vllm_connectors import EXPIRES_KEY, registration_expired
+    from connector.push_deadline import EXPIRES_KEY, registration_expired
 
     assert EXPIRES_KEY == "rendezvous_expires_at"
     assert registration_expired(registration, now, margin) is expired

@@ -7,6 +7,7 @@ import asyncio
 
 import httpx
 import pytest
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from app.args import AppArgs, IngressArgs
@@ -164,3 +165,63 @@ def test_without_an_api_key_nothing_is_asked():
             return await client.get("/v1/models")
 
     assert asyncio.run(go()).status_code == 200
+
+
+def _echo_app():
+    """An ingress whose completions route echoes the body and conversation header it got."""
+    app = make_app(IngressArgs(max_body_bytes=4096))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return {"body": await request.json(), "conversation": request.headers.get("x-conversation-id")}
+
+    return app
+
+
+def _post_all(app, calls):
+    async def go():
+        async with _client(app) as client:
+            return [await client.post("/v1/completions", **kwargs) for kwargs in calls]
+
+    return asyncio.run(go())
+
+
+def test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it():
+    from_body, from_header, both_agree, without = _post_all(_echo_app(), [
+        {"json": {"prompt": "hi", "conversation_id": "chat-1"}},
+        {"json": {"prompt": "hi"}, "headers": {"X-Conversation-Id": "chat-2"}},
+        {"json": {"prompt": "hi", "conversation_id": "chat-3"}, "headers": {"X-Conversation-Id": "chat-3"}},
+        {"json": {"prompt": "hi"}},
+    ])
+    assert from_body.json() == {"body": {"prompt": "hi"}, "conversation": "chat-1"}
+    assert from_header.json() == {"body": {"prompt": "hi"}, "conversation": "chat-2"}
+    assert both_agree.json() == {"body": {"prompt": "hi"}, "conversation": "chat-3"}
+    assert without.json() == {"body": {"prompt": "hi"}, "conversation": None}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"json": {"prompt": "hi", "conversation_id": "has space"}},
+        {"json": {"prompt": "hi", "conversation_id": 7}},
+        {"json": {"prompt": "hi", "conversation_id": "x" * 129}},
+        {"json": {"prompt": "hi"}, "headers": {"X-Conversation-Id": "bad/slash"}},
+        {"json": {"prompt": "hi", "conversation_id": "a"}, "headers": {"X-Conversation-Id": "b"}},
+    ],
+)
+def test_a_bad_conversation_id_is_a_400_naming_the_field(kwargs):
+    app = _echo_app()
+    bad, after = _post_all(app, [kwargs, {"json": {"prompt": "hi"}}])
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["param"] == "conversation_id"
+    assert after.status_code == 200
+    assert app.state.admission.in_flight == 0
+
+
+def test_a_chunked_body_over_the_limit_is_a_413():
+    async def chunks():
+        for _ in range(5):
+            yield b"x" * 1024
+
+    (response,) = _post_all(_echo_app(), [{"content": chunks()}])
+    assert response.status_code == 413

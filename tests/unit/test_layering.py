@@ -17,7 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("connector", "app")
 HEAVY = {"ray", "vllm", "torch"}
-PURE = ["connector/params.py", "connector/ports.py", "connector/engine_env.py", "app/args.py", "app/llm_configs.py"]
+PURE = [
+    "connector/params.py", "connector/ports.py", "connector/engine_env.py",
+    "app/args.py", "app/llm_configs.py", "app/routing.py", "app/conversations.py",
+]
+VLLM_SIDE = ["connector/vllm_connectors.py", "connector/push_deadline.py", "connector/push_reuse.py"]
 RAY_ALLOWED_IN_CONNECTOR = {"connector/ray_backend.py"}
 
 
@@ -166,8 +170,9 @@ def test_only_ray_backend_imports_ray_in_connector(rel):
     assert not bad, "only connector/ray_backend.py may import ray: " + "; ".join(bad)
 
 
-def test_vllm_connectors_do_not_import_ray():
-    bad = [str(i) for i in imports_of("connector/vllm_connectors.py") if i.top in ("ray", "app")]
+@pytest.mark.parametrize("rel", VLLM_SIDE)
+def test_vllm_connectors_do_not_import_ray(rel):
+    bad = [str(i) for i in repo_closure(rel) if i.top in ("ray", "app")]
     assert not bad, "vLLM-side connectors run in engine processes: " + "; ".join(bad)
 
 

@@ -80,7 +80,8 @@ def test_model_loading_config(role):
     "role, expected",
     [
         (Role.PREFILL, {"max_model_len": 2048, "enforce_eager": True}),
-        (Role.DECODE, {"max_model_len": 4096, "enforce_eager": True}),
+        # Conversations (on by default) are retained in decode's prefix cache.
+        (Role.DECODE, {"max_model_len": 4096, "enforce_eager": True, "enable_prefix_caching": True}),
     ],
 )
 def test_engine_kwargs_are_the_merged_user_kwargs_plus_kv_transfer_config(role, expected):

@@ -164,6 +164,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._mode = "push"
     server._tokenizer = None
     server._count_prompt_tokens = lambda request: prompt_tokens
+    server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
     server._ongoing = server._tokens_in_flight = 0
     server._metrics = types.SimpleNamespace(
         load=lambda ongoing, tokens: None,
@@ -459,6 +460,23 @@ def test_setup_plans_the_side_channel_and_publishes_the_identity(monkeypatch, cl
     assert not ray.is_initialized()
 
 
+def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
+    """transformers 5's apply_chat_template returns a BatchEncoding unless told otherwise;
+    its len() is 2 (its keys), which once sent every chat request down the local path."""
+    from transformers import AutoTokenizer
+
+    from app.model_source import resolve_model_source
+    from app.servers import DecodeServer
+
+    server = DecodeServer.__new__(DecodeServer)
+    server._tokenizer, server._local_below = AutoTokenizer.from_pretrained(resolve_model_source("embedded")), 16
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Why is the sky blue? " * 10}])
+    expected = server._tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Why is the sky blue? " * 10}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert server._count_prompt_tokens(chat) == len(expected) > 60
+
+
 def test_without_a_tokenizer_every_request_is_disaggregated():
     from app.servers import DecodeServer
 
@@ -484,30 +502,59 @@ def test_ray_calls_the_concurrent_decode_we_override():
     assert inspect.iscoroutinefunction(pd_server._drain_prefill)
 
 
-# --------------------------------------------------------------------------- push KV deadline (connector/vllm_connectors.py)
+# --------------------------------------------------------------------------- push connector overrides (connector/push_deadline.py, push_reuse.py)
 
 
-def test_vllm_push_internals_our_deadline_overrides_use():
+def test_vllm_push_internals_our_overrides_use():
     from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, connector, push_scheduler, push_worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+        base_scheduler,
+        base_worker,
+        connector,
+        pull_worker,
+        push_scheduler,
+        push_worker,
+    )
+    from vllm.v1.core.sched import scheduler
 
-    import connector.vllm_connectors as ours
+    from connector.push_deadline import DeadlineScheduler, DeadlineWorker
+    from connector.push_reuse import ReuseScheduler, ReuseWorker
 
-    for ours_cls, method in [
-        (ours._DeadlineScheduler, "update_state_after_alloc"),
-        (ours._DeadlineWorker, "start_load_kv"),
-        (ours._DeadlineWorker, "get_finished"),
-        (ours._DeadlineWorker, "_do_start_push_kv"),
-        (ours._DeadlineWorker, "_handle_push_reg_notif"),
-    ]:
+    overrides = [
+        (DeadlineScheduler, "update_state_after_alloc"),
+        (DeadlineWorker, "start_load_kv"),
+        (DeadlineWorker, "get_finished"),
+        (DeadlineWorker, "_do_start_push_kv"),
+        (DeadlineWorker, "_handle_push_reg_notif"),
+        (ReuseScheduler, "get_num_new_matched_tokens"),
+        (ReuseScheduler, "update_state_after_alloc"),
+        (ReuseScheduler, "update_connector_output"),
+        (ReuseScheduler, "request_finished"),
+        (ReuseWorker, "_handle_push_reg_notif"),
+        (ReuseWorker, "start_load_kv"),
+        (ReuseWorker, "_get_new_notifs"),
+    ]
+    for ours_cls, method in overrides:
         upstream = getattr(ours_cls.__bases__[0], method)
         assert list(inspect.signature(getattr(ours_cls, method)).parameters) == list(inspect.signature(upstream).parameters)
     # State the overrides read, by name.
     assert "self._push_pending_registrations[request.request_id] = {" in inspect.getsource(push_scheduler)
     worker_source = inspect.getsource(push_worker) + inspect.getsource(base_worker)
-    for name in ("_recving_metadata", "_recving_transfers", "_pending_d_registrations", "consumer_notification_counts_by_req"):
+    for name in (
+        "_recving_metadata", "_recving_transfers", "_pending_d_registrations", "consumer_notification_counts_by_req",
+        "_pending_completion_notifs", "_physical_blocks_per_logical_kv_block",
+    ):
         assert f"self.{name}" in worker_source, name
     assert "def _handle_failed_transfer(self, req_id: str, handle: int | None)" in inspect.getsource(base_worker)
+    # Registration fields prefill reads from decode's PUSH_REG payload.
+    for key in ("request_id", "decode_engine_id", "decode_host", "decode_port", "decode_tp_size", "local_block_ids"):
+        assert f'"{key}":' in inspect.getsource(push_scheduler), key
+    # Reuse: vLLM's pull READ, borrowed as is; a None match means "ask again next step";
+    # worker metadata reaches the scheduler-side connector; the recompute threshold key.
+    assert list(inspect.signature(pull_worker.NixlPullConnectorWorker._read_blocks_for_req).parameters) == ["self", "req_id", "meta"]
+    assert "if ext_tokens is None:" in inspect.getsource(scheduler)
+    assert "self.connector.update_connector_output(kv_connector_output)" in inspect.getsource(scheduler)
+    assert '"kv_recompute_threshold", 64' in inspect.getsource(base_scheduler)
     # The connector builds its scheduler and worker in __init__ under these attribute names.
     init = inspect.getsource(connector.NixlPushConnector.__init__)
     assert "self.connector_scheduler = NixlPushConnectorScheduler(" in init

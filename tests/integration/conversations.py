@@ -1,0 +1,88 @@
+"""Multi-turn conversations against the real app: helpers shared by the push modules."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from bench.engine_metrics import scrape
+from tests.integration.cases import Generation, long_text
+
+MAX_TOKENS = 24
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+
+
+@dataclass
+class Conversation:
+    """A chat whose every turn is checked against a single engine given the full message list."""
+
+    conversation_id: str
+    messages: list[dict] = field(default_factory=lambda: [dict(SYSTEM)])
+    turns: list[Generation] = field(default_factory=list)
+
+    def say(self, client, reference, text: str) -> Generation:
+        self.messages.append({"role": "user", "content": text})
+        body = {
+            "messages": self.messages, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "return_token_ids": True, "conversation_id": self.conversation_id,
+        }
+        expected = reference.chat(self.messages, MAX_TOKENS)
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        payload = r.json()
+        got = Generation(payload["prompt_token_ids"], payload["choices"][0]["token_ids"], payload["choices"][0]["message"]["content"])
+        turn = len(self.turns) + 1
+        assert got.prompt_ids == expected.prompt_ids, f"{self.conversation_id} turn {turn}: prompts were tokenized differently"
+        assert got.token_ids == expected.token_ids, (
+            f"{self.conversation_id} turn {turn}: output differs from a single engine\n"
+            f"  got:      {got.text!r}\n  expected: {expected.text!r}"
+        )
+        self.messages.append({"role": "assistant", "content": got.text})
+        self.turns.append(got)
+        return got
+
+
+def user_text(turn: int, sentences: int) -> str:
+    return f"Part {turn}. {long_text(sentences)}\n\nWhich animal crossed river {turn + 3}?"
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def ours(client) -> Counter:
+    """Our conversation counters summed over replicas: (metric, label value) -> total;
+    and, per replica, the turns it served: ("replica", replica id) -> turns."""
+    totals = Counter()
+    for name, labels, value in scrape(client.metrics.url):
+        if not name.startswith("ray_rendezvous_conversation"):
+            continue
+        label = labels.get("history") or labels.get("kind") or labels.get("direction") or ""
+        totals[(name.removeprefix("ray_rendezvous_").removesuffix("_total"), label)] += value
+        if name == "ray_rendezvous_conversation_turns_total":
+            totals[("replica", labels.get("replica", ""))] += value
+    return totals
+
+
+def settled_ours(client, quiet_s: float = 10.0, timeout_s: float = 90.0) -> Counter:
+    """Our counters once they stopped changing: earlier turns may still be on their way
+    (Ray exports metrics every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    current, since = ours(client), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(1)
+        latest = ours(client)
+        if latest != current:
+            current, since = latest, time.monotonic()
+    return current
+
+
+def wait_ours(client, predicate, timeout_s: float = 60) -> Counter:
+    """Our counters once ``predicate`` holds (Ray exports metrics every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        current = ours(client)
+        if predicate(current) or time.monotonic() > deadline:
+            return current
+        time.sleep(1)

@@ -1,0 +1,185 @@
+"""Conversations: the retention table, what the router and ingress do with an id, and the
+engine-side reuse decisions (pure parts; the real thing runs in tests/integration)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from app.conversations import (
+    ATTEMPT,
+    CONVERSATION_ID_PATTERN,
+    EXPIRED,
+    FIRST_TURN,
+    REPLICA_GONE,
+    ConversationTable,
+    continues_a_conversation,
+)
+from app.routing import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+
+
+# --------------------------------------------------------------------------- retention table
+
+
+def test_a_conversation_is_reused_within_retention_and_gets_a_new_salt_after_it():
+    table = ConversationTable(retention_s=10)
+    first = table.begin("c", now=0, continuation=False)
+    assert (first.reuse, first.reason) == (False, FIRST_TURN)
+    table.end(first, now=1)
+    second = table.begin("c", now=10.9, continuation=True)
+    assert (second.reuse, second.reason, second.cache_salt) == (True, ATTEMPT, first.cache_salt)
+    table.end(second, now=11)
+    late = table.begin("c", now=21.5, continuation=True)
+    assert (late.reuse, late.reason) == (False, EXPIRED)
+    assert late.cache_salt != first.cache_salt  # the expired KV can never be reached again
+
+
+def test_a_turn_in_flight_never_expires_and_concurrent_turns_share_the_salt():
+    table = ConversationTable(retention_s=1)
+    a = table.begin("c", now=0, continuation=False)
+    b = table.begin("c", now=100, continuation=True)  # a is still running
+    assert b.reuse and b.cache_salt == a.cache_salt
+    table.end(a, now=101)
+    assert table.held(now=150) == ["c"]  # b still running
+    table.end(b, now=150)
+    assert table.held(now=150.5) == ["c"] and table.held(now=151.5) == []
+    assert table.known(limit=10) == ["c"]  # still published: its next turn comes here and is told it expired
+
+
+def test_a_continuation_this_replica_never_held_is_reported_as_replica_gone():
+    turn = ConversationTable(retention_s=10).begin("c", now=0, continuation=True)
+    assert (turn.reuse, turn.reason) == (False, REPLICA_GONE)
+
+
+def test_conversations_are_isolated_and_bounded():
+    table = ConversationTable(retention_s=10, max_conversations=2)
+    salts = {cid: table.begin(cid, now=i, continuation=False).cache_salt for i, cid in enumerate("abc")}
+    assert len(set(salts.values())) == 3
+    assert table.held(now=5) == table.known(limit=5) == ["b", "c"]  # the least recently used one was dropped
+    assert table.known(limit=1) == ["c"]
+
+
+@pytest.mark.parametrize(
+    "messages, continues",
+    [
+        ([{"role": "user", "content": "hi"}], False),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}], True),
+    ],
+)
+def test_an_earlier_assistant_turn_marks_a_continuation(messages, continues):
+    assert continues_a_conversation(types.SimpleNamespace(messages=messages)) is continues
+    assert continues_a_conversation(types.SimpleNamespace(prompt="x")) is False
+
+
+@pytest.mark.parametrize("value, ok", [("c-1", True), ("a.b:c@d_e", True), ("x" * 128, True), ("x" * 129, False), ("", False), ("a b", False), ("ü", False)])
+def test_conversation_id_charset_and_length(value, ok):
+    assert bool(CONVERSATION_ID_PATTERN.fullmatch(value)) is ok
+
+
+# --------------------------------------------------------------------------- routing
+
+
+def test_the_holder_wins_over_a_less_loaded_replica_unless_filtered_out():
+    policy = RoutingPolicy()
+    holder = ReplicaSnapshot("busy", ongoing_requests=6, tokens_in_flight=6000, holds_conversation=True, stats_age_s=0)
+    idle = ReplicaSnapshot("idle", stats_age_s=0)
+    assert pick(policy, RouteRequest(conversation_id="c"), [holder, idle]).replica_id == "busy"
+    assert pick(policy, RouteRequest(), [holder, idle]).replica_id == "idle"  # no id: load decides
+    full = ReplicaSnapshot("busy", kv_usage=0.99, holds_conversation=True, stats_age_s=0)
+    assert pick(policy, RouteRequest(conversation_id="c"), [full, idle]).replica_id == "idle"
+
+
+def test_the_router_reads_the_conversation_from_the_header_and_learns_holders():
+    from app.decode_router import STATS_KEY, LoadAwareDecodeRouter, conversation_of
+
+    raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
+    assert conversation_of(types.SimpleNamespace(args=("body", raw))) == "c"
+    assert conversation_of(types.SimpleNamespace(args=("body",))) is None
+    assert conversation_of(None) is None
+
+    router = LoadAwareDecodeRouter.__new__(LoadAwareDecodeRouter)
+    router._picked, router._published = {}, {}
+    published = types.SimpleNamespace(routing_stats={STATS_KEY: {"recorded_at": 1.0, "conversations": ["c"]}})
+    silent = types.SimpleNamespace(routing_stats={})
+    assert router._holders("c", {"a": published, "b": silent}, now=2.0) == {"a"}
+    router._picked["d"] = ("b", 1.0)  # this router sent "d" to b a moment ago
+    assert router._holders("d", {"a": published, "b": silent}, now=2.0) == {"b"}
+    assert router._holders("d", {"a": published}, now=2.0) == set()  # b is gone
+
+
+# --------------------------------------------------------------------------- engine-side decisions
+
+
+@pytest.mark.parametrize(
+    "offered, prompt, block, want",
+    [(512, 700, 128, 512), (512, 513, 128, 512), (512, 512, 128, 384), (0, 700, 128, 0), (1024, 300, 128, 256), (100, 700, 16, 100)],
+)
+def test_reuse_is_whole_blocks_and_never_the_last_prompt_token(offered, prompt, block, want):
+    from connector.push_reuse import reusable_tokens
+
+    assert reusable_tokens(offered, prompt, block) == want
+
+
+def _prefill_scheduler(threshold: int = 64, single_group: bool = True):
+    from connector.push_reuse import ReuseScheduler
+
+    scheduler = ReuseScheduler.__new__(ReuseScheduler)
+    scheduler.block_size, scheduler.kv_recompute_threshold = 128, threshold
+    scheduler._offers, scheduler._waiting_since, scheduler._reports = {}, {}, {}
+    scheduler._single_group, scheduler._kv_bytes_per_token = single_group, 10
+    return scheduler
+
+
+def _request(prompt_tokens: int = 700):
+    from connector.params import REUSE_KEY
+
+    return types.SimpleNamespace(
+        request_id="cmpl-rdv-1", num_prompt_tokens=prompt_tokens, kv_transfer_params={"do_remote_decode": True, REUSE_KEY: True}
+    )
+
+
+def _offer(tokens: int, blocks: int = 2):
+    return {"block_ids": list(range(tokens // 128)), "num_tokens": tokens, "engine_id": "d", "host": "h", "port": 1, "tp_size": 1, "registered_blocks": blocks}
+
+
+def test_prefill_waits_for_the_offer_then_loads_the_verified_prefix():
+    from connector.push_reuse import HISTORY_READ_ID
+
+    scheduler, request = _prefill_scheduler(), _request()
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # asked again next step
+    scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(512))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+    params = request.kv_transfer_params
+    assert params["remote_block_ids"] == [[0, 1, 2, 3]] and params["remote_request_id"] == HISTORY_READ_ID
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)  # asked again after a failed allocation
+    assert scheduler._reports["cmpl-rdv-1"] == {"reason": "reused", "reused_tokens": 512, "pushed_tokens": 256, "kv_bytes_per_token": 10}
+
+
+@pytest.mark.parametrize(
+    "offered, computed, reason",
+    [(0, 0, "no_match"), (128, 100, "threshold")],
+)
+def test_prefill_recomputes_when_reuse_is_not_worth_it(offered, computed, reason):
+    scheduler, request = _prefill_scheduler(), _request()
+    scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(offered))
+    assert scheduler.get_num_new_matched_tokens(request, computed) == (0, False)
+    assert scheduler._reports["cmpl-rdv-1"]["reason"] == reason
+
+
+def test_prefill_stops_waiting_for_an_offer_that_does_not_come(monkeypatch):
+    from connector import push_reuse
+
+    scheduler, request = _prefill_scheduler(), _request()
+    now = [0.0]
+    monkeypatch.setattr(push_reuse.time, "monotonic", lambda: now[0])
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    now[0] = push_reuse.REUSE_OFFER_WAIT_S + 1
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler._reports["cmpl-rdv-1"]["reason"] == "no_offer"
+
+
+def test_offers_from_several_workers_merge():
+    from connector.push_reuse import ReuseOffers
+
+    assert ReuseOffers({"a": {}}).aggregate(ReuseOffers({"b": {}})).offers.keys() == {"a", "b"}
