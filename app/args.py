@@ -169,8 +169,9 @@ class RoutingArgs(_Strict):
         default_factory=RoutingPolicy, description="How the decode replica is picked on arrival (app/routing.py)."
     )
     local_prefill_below_tokens: int = Field(
-        0, ge=0, description="Prompts shorter than this are prefilled by the decode engine itself: no prefill hop, "
-        "no transfer. 0 disaggregates every request."
+        0, ge=0, description="Prompts whose part to compute is shorter than this are prefilled by the decode engine "
+        "itself: no prefill hop, no transfer. For a conversation turn the part to compute is what lies beyond the "
+        "history the decode replica holds. 0 disaggregates every request."
     )
     stats_period_s: float = Field(1.0, gt=0, description="How often each decode replica publishes its load to the router.")
 

@@ -37,6 +37,9 @@ class Turn:
     cache_salt: str
     reuse: bool
     reason: str
+    # Prompt tokens of the conversation's last finished turn here: a lower bound of the
+    # history decode holds (its answer is held too), for deciding where to prefill.
+    held_tokens: int = 0
 
 
 @dataclass
@@ -44,6 +47,7 @@ class _Entry:
     salt: str
     expires_at: float  # math.inf while a turn is in flight
     active: int = 0
+    held_tokens: int = 0
 
 
 class ConversationTable:
@@ -57,7 +61,7 @@ class ConversationTable:
     def begin(self, conversation_id: str, now: float, continuation: bool) -> Turn:
         entry = self._entries.get(conversation_id)
         if entry is not None and (entry.active or now < entry.expires_at):
-            turn = Turn(conversation_id, entry.salt, True, ATTEMPT)
+            turn = Turn(conversation_id, entry.salt, True, ATTEMPT, entry.held_tokens)
         else:
             reason = EXPIRED if entry is not None else REPLICA_GONE if continuation else FIRST_TURN
             # A new salt: KV of an expired retention is never reached again.
@@ -71,10 +75,11 @@ class ConversationTable:
             self._entries.popitem(last=False)
         return turn
 
-    def end(self, turn: Turn, now: float) -> None:
+    def end(self, turn: Turn, now: float, prompt_tokens: int = 0) -> None:
         entry = self._entries.get(turn.conversation_id)
         if entry is None or entry.salt != turn.cache_salt:
             return
+        entry.held_tokens = max(entry.held_tokens, prompt_tokens)
         entry.active = max(0, entry.active - 1)
         if not entry.active:
             entry.expires_at = now + self.retention_s

@@ -7,8 +7,9 @@ and sends both legs concurrently. ``DecodeServer`` adds:
 
 * a fresh, unique request id per request — vLLM pairs the two legs by that id, so it
   must never come from a client header that may repeat;
-* conditional disaggregation — a prompt shorter than ``local_prefill_below_tokens`` is
-  prefilled by the decode engine itself: no prefill hop, no transfer;
+* conditional disaggregation — a prompt whose part to compute (for a conversation turn:
+  beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
+  is prefilled by the decode engine itself: no prefill hop, no transfer;
 * a handoff that cannot hang — the prefill leg has ``prefill_timeout_s``; if it times out
   or fails before decode produced anything, decode prefills the prompt itself
   (``fallback``) instead of waiting for KV that will never come, or failing the request;
@@ -131,7 +132,9 @@ class DecodeServer(PDDecodeServer):
         if turn is not None:
             self._reuse_reports[request.request_id] = None  # filled in by the prefill leg, if it reports
         prompt_tokens = self._count_prompt_tokens(request)
-        route = _Route("local" if prompt_tokens < self._local_below else "remote")
+        # What would have to be computed: for a conversation turn, beyond the history held here.
+        to_compute = prompt_tokens - (turn.held_tokens if turn is not None and turn.reuse else 0)
+        route = _Route("local" if to_compute < self._local_below else "remote")
         logger.debug("request %s: %d prompt tokens, %s prefill", request.request_id, prompt_tokens, route.prefill)
         if route.prefill == "local":
             gen = await getattr(LLMServer, endpoint)(self, request, raw_request_info)
@@ -163,7 +166,7 @@ class DecodeServer(PDDecodeServer):
         return self._conversations.begin(conversation_id, time.time(), continues_a_conversation(request))
 
     def _end_turn(self, turn: Turn, route: _Route, request_id: str, prompt_tokens: int) -> None:
-        self._conversations.end(turn, time.time())
+        self._conversations.end(turn, time.time(), prompt_tokens)
         report = self._reuse_reports.pop(request_id, None)
         if not turn.reuse:
             outcome = turn.reason

@@ -183,3 +183,53 @@ def test_offers_from_several_workers_merge():
     from connector.push_reuse import ReuseOffers
 
     assert ReuseOffers({"a": {}}).aggregate(ReuseOffers({"b": {}})).offers.keys() == {"a", "b"}
+
+
+def test_a_turn_knows_how_much_history_its_replica_holds():
+    table = ConversationTable(retention_s=10)
+    first = table.begin("c", now=0, continuation=False)
+    assert first.held_tokens == 0
+    table.end(first, now=1, prompt_tokens=900)
+    assert table.begin("c", now=2, continuation=True).held_tokens == 900
+
+
+@pytest.mark.parametrize("new_user_tokens, path", [(10, "local"), (200, "remote")])
+def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monkeypatch, new_user_tokens, path):
+    """routing.local_prefill_below_tokens counts what would have to be computed."""
+    import asyncio
+
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    from app.servers import DecodeServer, _Route
+
+    server = DecodeServer.__new__(DecodeServer)
+    server._mode, server._local_below, server._isolate_uncached = "push", 64, False
+    server._conversations, server._reuse_reports = ConversationTable(retention_s=100), {}
+    server._ongoing = server._tokens_in_flight = 0
+    prompts = iter([900, 900 + new_user_tokens])
+    server._count_prompt_tokens = lambda request: next(prompts)
+    routes = []
+    server._metrics = types.SimpleNamespace(
+        load=lambda *a: None, finished=lambda prefill, *a: routes.append(prefill), turn=lambda *a: None
+    )
+
+    async def remote(request, raw, endpoint, route: _Route):
+        yield "remote"
+
+    async def local(self, request, raw=None):
+        async def gen():
+            yield "local"
+        return gen()
+
+    server._remote_or_fallback = remote
+    monkeypatch.setattr(LLMServer, "chat", local)
+    raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+
+    async def two_turns():
+        for _ in range(2):
+            [chunk async for chunk in await server.chat(request, raw)]
+
+    asyncio.run(two_turns())
+    assert routes == ["remote", path]
