@@ -280,7 +280,6 @@ class DecodeServer(PDDecodeServer):
                 self._late_prefills.add(prefill)
                 prefill.add_done_callback(self._late_prefills.discard)
 
-
     def _keep_reuse_report(self, request_id: str, prefill: asyncio.Task) -> None:
         if self._conversations is None or prefill.cancelled() or prefill.exception() is not None:
             return
@@ -360,7 +359,8 @@ class DecodeMetrics:
         )
         self._history_tokens = Counter(
             "rendezvous_conversation_prompt_tokens",
-            description="Prompt tokens of conversation turns: reused (read back from decode) or computed by prefill.",
+            description="Prompt tokens of conversation turns: reused (read back from decode) or computed (by prefill, "
+            "or by decode for a local turn).",
             tag_keys=("mode", "kind"),
         )
         self._kv_bytes = Counter(

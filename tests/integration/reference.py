@@ -58,19 +58,21 @@ class ReferenceEngine:
         out = self.llm.chat([messages], self._params(max_tokens), use_tqdm=False)[0]
         return Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
 
-    def teacher_forcing_gaps(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
-        """For each generated token, how many nats it lies below the reference's argmax
-        when the reference reads prompt + generated tokens (0 = it is the argmax)."""
+    def teacher_forcing_gaps(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """For each (prompt ids, generated ids) and each generated token, how many nats it
+        lies below the reference's argmax when the reference reads prompt + generated
+        tokens (0 = it is the argmax). One batch for all pairs."""
         from vllm.inputs import TokensPrompt
 
-        out = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=prompt_ids + token_ids)],
-            self._params(1, prompt_logprobs=1),
-            use_tqdm=False,
-        )[0]
-        gaps = []
-        for pos, token in enumerate(token_ids, start=len(prompt_ids)):
-            candidates = out.prompt_logprobs[pos]
-            best = max(lp.logprob for lp in candidates.values())
-            gaps.append(best - candidates[token].logprob)
-        return gaps
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p + t) for p, t in pairs], self._params(1, prompt_logprobs=1), use_tqdm=False
+        )
+        all_gaps = []
+        for (prompt_ids, token_ids), out in zip(pairs, outs):
+            gaps = []
+            for pos, token in enumerate(token_ids, start=len(prompt_ids)):
+                candidates = out.prompt_logprobs[pos]
+                best = max(lp.logprob for lp in candidates.values())
+                gaps.append(best - candidates[token].logprob)
+            all_gaps.append(gaps)
+        return all_gaps
