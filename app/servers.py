@@ -281,11 +281,10 @@ class DecodeServer(PDDecodeServer):
                 prefill.add_done_callback(self._late_prefills.discard)
 
     def _keep_reuse_report(self, request_id: str, prefill: asyncio.Task) -> None:
-        if self._conversations is None or prefill.cancelled() or prefill.exception() is not None:
+        # Only conversation turns still in flight have an entry (see _serve / _end_turn).
+        if request_id not in self._reuse_reports or prefill.cancelled() or prefill.exception() is not None:
             return
-        _, report = prefill.result()
-        if report is not None and request_id in self._reuse_reports:  # its turn has not ended
-            self._reuse_reports[request_id] = report
+        self._reuse_reports[request_id] = prefill.result()[1]
 
     def _count_prompt_tokens(self, request) -> int:
         """Prompt tokens of ``request``; unknown counts as long enough to disaggregate."""
