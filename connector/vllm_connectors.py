@@ -17,6 +17,9 @@ orphaned and still holding their NIXL side-channel ports, so the next start fail
 those processes, so it asks the kernel to send SIGTERM when the parent goes away
 (``PR_SET_PDEATHSIG``); vLLM then shuts down as it does on any SIGTERM.
 
+And they keep NIXL's UCX progress thread from busy-polling a core per engine
+(``connector.nixl_progress``; UCX-only agents).
+
 Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``) and
 reuse of a conversation's history held by decode (``connector.push_reuse``).
 """
@@ -36,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector,
 )
 
+from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_TIMEOUT_KEY
 from connector.push_reuse import ReuseScheduler, ReuseWorker
 
@@ -68,9 +72,18 @@ def _keep_cpu_affinity(role: KVConnectorRole):
             logger.info("restored CPU affinity %s after NIXL worker init", sorted(before))
 
 
+def _calm_ucx_progress(vllm_config) -> None:
+    # Only the UCX backend's thread is known to wake on events (connector.nixl_progress);
+    # another backend's progress thread might rely on the timeout, so leave it as NIXL set it.
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    if list(extra.get("backends") or ["UCX"]) == ["UCX"]:
+        calm_progress_threads()
+
+
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
+        _calm_ucx_progress(vllm_config)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -100,5 +113,6 @@ class RendezvousPushConnector(NixlPushConnector):
 class RendezvousPullConnector(NixlPullConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
+        _calm_ucx_progress(vllm_config)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)

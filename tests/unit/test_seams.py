@@ -560,3 +560,45 @@ def test_vllm_push_internals_our_overrides_use():
     assert "self.connector_scheduler = NixlPushConnectorScheduler(" in init
     assert "self.connector_worker = NixlPushConnectorWorker(" in init
     assert KVTransferConfig(kv_load_failure_policy="recompute").kv_load_failure_policy == "recompute"
+
+
+def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
+    """nixl_agent.__init__ sets pthrDelay = 0 (a busy-polling progress thread once
+    connected); connector.nixl_progress swaps in a config class that keeps it >= 1 ms.
+    Two real agents, one WRITE between them, then idle: the spin cost ~2 cores here."""
+    import sys
+    import time
+
+    import numpy as np
+    from vllm.distributed import nixl_utils
+
+    from connector.nixl_progress import PROGRESS_POLL_US, calm_progress_threads
+
+    agent_cls = nixl_utils.NixlWrapper
+    assert "pthrDelay = 0" in inspect.getsource(agent_cls.__init__)  # the seam: still hard-coded
+    assert calm_progress_threads() and calm_progress_threads()  # idempotent
+    config = sys.modules[agent_cls.__module__].nixlBind.nixlAgentConfig()
+    config.pthrDelay = 0
+    assert config.pthrDelay == PROGRESS_POLL_US
+
+    a = agent_cls("seam-a", nixl_utils.nixl_agent_config(num_threads=4))
+    b = agent_cls("seam-b", nixl_utils.nixl_agent_config(num_threads=4))
+    src, dst = np.ones(1 << 20, dtype=np.uint8), np.zeros(1 << 20, dtype=np.uint8)
+    for agent, buf in ((a, src), (b, dst)):
+        agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM"))
+    a.add_remote_agent(b.get_agent_metadata())
+    b.add_remote_agent(a.get_agent_metadata())
+    handle = a.initialize_xfer(
+        "WRITE", a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"),
+        b.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"), "seam-b", b"done",
+    )
+    a.transfer(handle)
+    deadline = time.monotonic() + 30
+    while a.check_xfer_state(handle) == "PROC" and time.monotonic() < deadline:
+        time.sleep(0.001)
+    a.release_xfer_handle(handle)
+    assert dst[-1] == 1, "the WRITE did not land"
+    cpu, wall = time.process_time(), time.monotonic()
+    time.sleep(2)
+    idle_cores = (time.process_time() - cpu) / (time.monotonic() - wall)
+    assert idle_cores < 0.5, f"two idle NIXL agents used {idle_cores:.2f} cores"
