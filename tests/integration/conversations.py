@@ -15,32 +15,39 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer brie
 
 @dataclass
 class Conversation:
-    """A chat whose every turn is checked against a single engine given the full message list."""
+    """A chat sent turn after turn, as fast as a client would; then every turn is checked
+    against a single engine given that turn's full message list. (A reference computed
+    between turns could outlast a short retention on a slow box.)"""
 
     conversation_id: str
     messages: list[dict] = field(default_factory=lambda: [dict(SYSTEM)])
     turns: list[Generation] = field(default_factory=list)
+    sent: list[list[dict]] = field(default_factory=list)  # each turn's messages, as sent
 
-    def say(self, client, reference, text: str) -> Generation:
+    def say(self, client, text: str) -> Generation:
         self.messages.append({"role": "user", "content": text})
+        messages = [dict(m) for m in self.messages]  # a test may edit the history later
         body = {
-            "messages": self.messages, "temperature": 0, "max_tokens": MAX_TOKENS,
+            "messages": messages, "temperature": 0, "max_tokens": MAX_TOKENS,
             "return_token_ids": True, "conversation_id": self.conversation_id,
         }
-        expected = reference.chat(self.messages, MAX_TOKENS)
         r = client.post("/v1/chat/completions", json=body)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, f"{self.conversation_id} turn {len(self.turns) + 1}: {r.text}"
         payload = r.json()
         got = Generation(payload["prompt_token_ids"], payload["choices"][0]["token_ids"], payload["choices"][0]["message"]["content"])
-        turn = len(self.turns) + 1
-        assert got.prompt_ids == expected.prompt_ids, f"{self.conversation_id} turn {turn}: prompts were tokenized differently"
-        assert got.token_ids == expected.token_ids, (
-            f"{self.conversation_id} turn {turn}: output differs from a single engine\n"
-            f"  got:      {got.text!r}\n  expected: {expected.text!r}"
-        )
         self.messages.append({"role": "assistant", "content": got.text})
+        self.sent.append(messages)
         self.turns.append(got)
         return got
+
+    def assert_identical(self, reference) -> None:
+        for turn, (messages, got) in enumerate(zip(self.sent, self.turns), start=1):
+            expected = reference.chat(messages, MAX_TOKENS)
+            assert got.prompt_ids == expected.prompt_ids, f"{self.conversation_id} turn {turn}: prompts were tokenized differently"
+            assert got.token_ids == expected.token_ids, (
+                f"{self.conversation_id} turn {turn}: output differs from a single engine\n"
+                f"  got:      {got.text!r}\n  expected: {expected.text!r}"
+            )
 
 
 def user_text(turn: int, sentences: int) -> str:

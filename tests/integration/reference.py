@@ -4,6 +4,7 @@ agree with under teacher forcing (concurrent requests; vLLM is not batch-invaria
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,9 @@ def app_args(config: str | Path) -> AppArgs:
 
 
 class ReferenceEngine:
+    """Greedy, one request at a time: the same request always gets the same answer, so
+    each is computed once per session (the modules ask for the same cases)."""
+
     def __init__(self, config: str | Path):
         args = app_args(config)
         # Same numerics as the app's engines: same engine args, same thread settings.
@@ -37,6 +41,7 @@ class ReferenceEngine:
 
         kwargs = args.engine_kwargs_for(Role.DECODE)
         self.llm = LLM(model=resolve_model_source(args.model.source), **kwargs)
+        self._answers: dict[str, Generation] = {}
 
     def close(self) -> None:
         # Explicitly, so the engine process does not log into closed pytest streams at exit.
@@ -51,12 +56,17 @@ class ReferenceEngine:
         from vllm.inputs import TokensPrompt
 
         inp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
-        out = self.llm.generate([inp], self._params(max_tokens), use_tqdm=False)[0]
-        return Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
+        return self._answer(["complete", prompt, max_tokens], lambda: self.llm.generate([inp], self._params(max_tokens), use_tqdm=False))
 
     def chat(self, messages: list[dict], max_tokens: int) -> Generation:
-        out = self.llm.chat([messages], self._params(max_tokens), use_tqdm=False)[0]
-        return Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
+        return self._answer(["chat", messages, max_tokens], lambda: self.llm.chat([messages], self._params(max_tokens), use_tqdm=False))
+
+    def _answer(self, request: list, generate) -> Generation:
+        key = json.dumps(request, sort_keys=True)
+        if key not in self._answers:
+            out = generate()[0]
+            self._answers[key] = Generation(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.outputs[0].text)
+        return self._answers[key]
 
     def teacher_forcing_gaps(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """For each (prompt ids, generated ids) and each generated token, how many nats it
