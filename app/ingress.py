@@ -17,8 +17,10 @@ import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from vllm.exceptions import VLLMClientError
 
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
@@ -31,7 +33,9 @@ _ERROR_TYPES = {
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# The request models the endpoints parse (Ray Serve LLM's, vLLM's underneath).
+_REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+GENERATION_PATHS = tuple(_REQUEST_MODELS)
 OPEN_PATHS = ("/health",)  # probes never carry the key
 
 
@@ -85,7 +89,7 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
-        problem = await _take_conversation_id(request, max_body_bytes)
+        problem = await _prepare_body(request, max_body_bytes)
         if problem is not None:
             return problem
         if not admission.try_enter():
@@ -134,23 +138,27 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
     return app
 
 
-async def _take_conversation_id(request: Request, max_body_bytes: int) -> Response | None:
-    """Move a body ``conversation_id`` into the header; an error response if it is invalid."""
+async def _prepare_body(request: Request, max_body_bytes: int) -> Response | None:
+    """Check a generation request's body before the endpoint parses it, and move a body
+    ``conversation_id`` into the header; an error response if the body cannot be served."""
     body = await request.body()
     if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
         return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None  # not JSON: FastAPI reports it
+    if isinstance(payload, dict):
+        problem = _crashes_the_model(request.url.path, payload)
+        if problem is not None:
+            return openai_error(400, f"malformed request body: {problem}")
     header = request.headers.get(CONVERSATION_HEADER)
     conversation_id = header
-    if b'"conversation_id"' in body:
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None  # not JSON: FastAPI reports it
-        if isinstance(payload, dict) and "conversation_id" in payload:
-            conversation_id = payload.pop("conversation_id")
-            if header is not None and conversation_id != header:
-                return openai_error(400, "conversation_id and the X-Conversation-Id header differ", param="conversation_id")
-            request._body = json.dumps(payload).encode()  # what the endpoint will read
+    if isinstance(payload, dict) and "conversation_id" in payload:
+        conversation_id = payload.pop("conversation_id")
+        if header is not None and conversation_id != header:
+            return openai_error(400, "conversation_id and the X-Conversation-Id header differ", param="conversation_id")
+        request._body = json.dumps(payload).encode()  # what the endpoint will read
     if conversation_id is None:
         return None
     if not isinstance(conversation_id, str) or not CONVERSATION_ID_PATTERN.fullmatch(conversation_id):
@@ -158,6 +166,20 @@ async def _take_conversation_id(request: Request, max_body_bytes: int) -> Respon
     headers = [(k, v) for k, v in request.scope["headers"] if k not in (b"content-length", CONVERSATION_HEADER.encode())]
     headers += [(b"content-length", str(len(request._body)).encode()), (CONVERSATION_HEADER.encode(), conversation_id.encode())]
     request.scope["headers"] = headers
+    return None
+
+
+def _crashes_the_model(path: str, payload: dict) -> str | None:
+    """Why the endpoint's request model would *crash* on ``payload`` rather than reject it:
+    some upstream before-validators use a field before its type is checked (``"messages":
+    null`` raised TypeError, a 500). Rejections (pydantic's ValidationError, a ValueError;
+    vLLM's client errors) are left to the endpoint, which answers them with the details."""
+    try:
+        _REQUEST_MODELS[path].model_validate({k: v for k, v in payload.items() if k != "conversation_id"})
+    except (ValueError, VLLMClientError):
+        return None
+    except Exception as e:  # noqa: BLE001 - any crash on client input is the client's 400
+        return f"{type(e).__name__}: {e}"
     return None
 
 

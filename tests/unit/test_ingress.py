@@ -181,7 +181,7 @@ def _echo_app():
 def _post_all(app, calls):
     async def go():
         async with _client(app) as client:
-            return [await client.post("/v1/completions", **kwargs) for kwargs in calls]
+            return [await client.post(kwargs.pop("path", "/v1/completions"), **kwargs) for kwargs in map(dict, calls)]
 
     return asyncio.run(go())
 
@@ -225,3 +225,29 @@ def test_a_chunked_body_over_the_limit_is_a_413():
 
     (response,) = _post_all(_echo_app(), [{"content": chunks()}])
     assert response.status_code == 413
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", {"messages": None, "max_tokens": 0}),  # upstream raised TypeError: a 500
+        ("/v1/chat/completions", {"messages": None, "conversation_id": "c-1"}),
+    ],
+)
+def test_a_body_that_crashes_the_request_model_is_a_400(path, body):
+    app = _echo_app()
+    bad, after = _post_all(app, [{"json": body, "path": path}, {"json": {"prompt": "hi"}}])
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["message"].startswith("malformed request body: TypeError"), bad.text
+    assert after.status_code == 200
+    assert app.state.admission.in_flight == 0
+
+
+def test_a_body_the_model_only_rejects_is_left_to_the_endpoint():
+    """Rejections keep FastAPI's detailed 4xx; a valid body reaches the endpoint unchanged."""
+    rejected, valid = _post_all(_echo_app(), [
+        {"json": {"prompt": "hi", "max_tokens": "ten"}},
+        {"json": {"model": "m", "prompt": "hi", "max_tokens": 3}},
+    ])
+    assert rejected.status_code == 200 and rejected.json()["body"]["max_tokens"] == "ten"  # the stand-in accepts any dict
+    assert valid.json()["body"] == {"model": "m", "prompt": "hi", "max_tokens": 3}
