@@ -5,9 +5,10 @@ Two NIXL agents in one process, one registered DRAM buffer each, the initiator W
 its buffer into the target's over the chosen backend (UCX by default) with the same
 ``UCX_TLS`` the engines get (``connector.engine_env``), so the figure is the ceiling
 for a KV transfer between two engines on this host. ``memcpy`` is ``numpy.copyto`` of
-the same bytes on one thread. Each size is transferred ``--iters`` times after one
-untimed warm-up; the report gives the median and the best. The data are checked after
-the timed WRITEs.
+the same bytes on one thread. The agents' progress threads get the engines' poll delay
+(``connector.nixl_progress``), so an idle one does not take a core from the copy. Each
+size is transferred ``--iters`` times after one untimed warm-up; the report gives the
+median and the best. The data are checked after the timed WRITEs.
 
 The measurement runs in a child process so the UCX settings reach UCX before it loads
 and never touch this process's environment.
@@ -54,6 +55,10 @@ def measure(sizes_mib: list[int], iters: int, descriptor_kib: int, backend: str)
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
+    if backend == "UCX":
+        from connector.nixl_progress import calm_progress_threads
+
+        calm_progress_threads()  # the engines' agents run this way (connector.vllm_connectors)
     target = nixl_agent("bench-target", nixl_agent_config(backends=[backend]))
     initiator = nixl_agent("bench-initiator", nixl_agent_config(backends=[backend]))
     buffers = []
