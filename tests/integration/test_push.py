@@ -166,88 +166,6 @@ def test_bad_input_is_a_4xx_openai_error_and_the_server_keeps_serving(client, na
     assert ok.status_code == 200, f"server stopped serving after {name}: {ok.text}"
 
 
-FUZZ_EXAMPLES = 120  # fixed and derandomized: the same bodies on every run
-
-
-def _send_hostile(client, path: str, body) -> tuple[int, str]:
-    """Status and text of one request; a stream is read to its end (it must end)."""
-    payload = json.dumps(body)  # NaN and Infinity included: not JSON, a client error
-    headers = {"content-type": "application/json"}
-    if isinstance(body, dict) and body.get("stream") is True:
-        with client.http.stream("POST", path, content=payload, headers=headers, timeout=120) as r:
-            return r.status_code, "".join(r.iter_text())
-    r = client.http.post(path, content=payload, headers=headers, timeout=120)
-    return r.status_code, r.text
-
-
-@pytest.mark.slow
-def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(client, reference):
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from tests.integration import fuzz
-
-    bodies = st.one_of(
-        st.tuples(st.just(CHAT), fuzz.VALID_CHAT),
-        st.tuples(st.just(COMPLETIONS), fuzz.VALID_COMPLETION),
-        st.tuples(st.just(CHAT), fuzz.CHAT),
-        st.tuples(st.just(COMPLETIONS), fuzz.COMPLETION),
-        st.tuples(st.sampled_from([CHAT, COMPLETIONS]), fuzz.NOT_AN_OBJECT),
-    )
-    seen = Counter()
-
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(bodies)
-    def no_5xx(case):
-        path, body = case
-        status, text = _send_hostile(client, path, body)
-        seen[status // 100] += 1
-        assert status < 500, f"{status} for {path} {json.dumps(body)[:500]}: {text[:500]}"
-        assert "Traceback" not in text
-
-    no_5xx()
-    assert seen[2] and seen[4], f"responses by class: {dict(seen)} (the bodies should get both answers and 4xx)"
-    assert client.http.get("/health").status_code == 200
-    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
-
-
-@pytest.mark.slow
-def test_a_burst_beyond_max_in_flight_gets_quick_429s_and_every_accepted_answer_is_correct(client, reference):
-    """Three times ingress.max_in_flight at once. Each request either completes correctly
-    (teacher-forced: vLLM is not batch-invariant) or gets a 429 with Retry-After and an
-    OpenAI error body, and every rejection comes back before the typical accepted answer:
-    a queue would make the rejected wait for the work they were refused for."""
-    limit = app_args(CONFIG).ingress.max_in_flight
-    cases = [Case(f"burst{i}", prompt=long_text(3) + f"\nNote {i} says") for i in range(3 * limit)]
-
-    def send(case):
-        started = time.monotonic()
-        r = client.post(case.endpoint, json=case.body(max_tokens=16))
-        return r, time.monotonic() - started
-
-    with cf.ThreadPoolExecutor(len(cases)) as pool:
-        results = list(pool.map(send, cases))
-    assert {r.status_code for r, _ in results} <= {200, 429}, [r.text[:200] for r, _ in results if r.status_code not in (200, 429)]
-    accepted = [(case, r, s) for case, (r, s) in zip(cases, results) if r.status_code == 200]
-    rejected = [(r, s) for r, s in results if r.status_code == 429]
-    assert len(accepted) >= limit and rejected, f"{len(accepted)} accepted, {len(rejected)} rejected"
-    for r, _ in rejected:
-        assert int(r.headers["retry-after"]) > 0 and r.json()["error"]["type"] == "rate_limit_error", r.text
-
-    generations = [parse_generation(case, r.json()) for case, r, _ in accepted]
-    all_gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])
-    bad = [(case.name, max(gaps)) for (case, _, _), gaps in zip(accepted, all_gaps) if max(gaps) > 1.0]
-    assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
-
-    rejection_s = sorted(s for _, s in rejected)
-    answer_s = sorted(s for _, _, s in accepted)
-    print(f"burst of {len(cases)}: {len(accepted)} answered (median {answer_s[len(answer_s) // 2]:.1f} s), "
-          f"{len(rejected)} rejected (median {rejection_s[len(rejection_s) // 2]:.2f} s, max {rejection_s[-1]:.2f} s)")
-    assert rejection_s[-1] < answer_s[len(answer_s) // 2], (rejection_s[-1], answer_s[len(answer_s) // 2])
-    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
-
-
 # The benchmark's load step (bench/) against this app: vLLM's benchmark client, the engines'
 # NIXL metrics read back, well-formed results files and plots. Not a timing test.
 NUMERIC = ["ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms", "itl_p50_ms", "e2el_p99_ms",
@@ -362,6 +280,90 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
         time.sleep(1)
     assert grown["fallback"] == 2, f"requests by prefill path: {dict(grown)}"
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
+
+
+# Fuzzed and burst traffic: after the load step, whose transfer counts need a quiet app
+# (a burst's fallbacks count failed transfers that Ray exports seconds later).
+FUZZ_EXAMPLES = 120  # fixed and derandomized: the same bodies on every run
+
+
+def _send_hostile(client, path: str, body) -> tuple[int, str]:
+    """Status and text of one request; a stream is read to its end (it must end)."""
+    payload = json.dumps(body)  # NaN and Infinity included: not JSON, a client error
+    headers = {"content-type": "application/json"}
+    if isinstance(body, dict) and body.get("stream") is True:
+        with client.http.stream("POST", path, content=payload, headers=headers, timeout=120) as r:
+            return r.status_code, "".join(r.iter_text())
+    r = client.http.post(path, content=payload, headers=headers, timeout=120)
+    return r.status_code, r.text
+
+
+@pytest.mark.slow
+def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(client, reference):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.integration import fuzz
+
+    bodies = st.one_of(
+        st.tuples(st.just(CHAT), fuzz.VALID_CHAT),
+        st.tuples(st.just(COMPLETIONS), fuzz.VALID_COMPLETION),
+        st.tuples(st.just(CHAT), fuzz.CHAT),
+        st.tuples(st.just(COMPLETIONS), fuzz.COMPLETION),
+        st.tuples(st.sampled_from([CHAT, COMPLETIONS]), fuzz.NOT_AN_OBJECT),
+    )
+    seen = Counter()
+
+    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def no_5xx(case):
+        path, body = case
+        status, text = _send_hostile(client, path, body)
+        seen[status // 100] += 1
+        assert status < 500, f"{status} for {path} {json.dumps(body)[:500]}: {text[:500]}"
+        assert "Traceback" not in text
+
+    no_5xx()
+    assert seen[2] and seen[4], f"responses by class: {dict(seen)} (the bodies should get both answers and 4xx)"
+    assert client.http.get("/health").status_code == 200
+    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
+
+
+@pytest.mark.slow
+def test_a_burst_beyond_max_in_flight_gets_quick_429s_and_every_accepted_answer_is_correct(client, reference):
+    """Three times ingress.max_in_flight at once. Each request either completes correctly
+    (teacher-forced: vLLM is not batch-invariant) or gets a 429 with Retry-After and an
+    OpenAI error body, and every rejection comes back before the typical accepted answer:
+    a queue would make the rejected wait for the work they were refused for."""
+    limit = app_args(CONFIG).ingress.max_in_flight
+    cases = [Case(f"burst{i}", prompt=long_text(3) + f"\nNote {i} says") for i in range(3 * limit)]
+
+    def send(case):
+        started = time.monotonic()
+        r = client.post(case.endpoint, json=case.body(max_tokens=16))
+        return r, time.monotonic() - started
+
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(send, cases))
+    assert {r.status_code for r, _ in results} <= {200, 429}, [r.text[:200] for r, _ in results if r.status_code not in (200, 429)]
+    accepted = [(case, r, s) for case, (r, s) in zip(cases, results) if r.status_code == 200]
+    rejected = [(r, s) for r, s in results if r.status_code == 429]
+    assert len(accepted) >= limit and rejected, f"{len(accepted)} accepted, {len(rejected)} rejected"
+    for r, _ in rejected:
+        assert int(r.headers["retry-after"]) > 0 and r.json()["error"]["type"] == "rate_limit_error", r.text
+
+    generations = [parse_generation(case, r.json()) for case, r, _ in accepted]
+    all_gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])
+    bad = [(case.name, max(gaps)) for (case, _, _), gaps in zip(accepted, all_gaps) if max(gaps) > 1.0]
+    assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
+
+    rejection_s = sorted(s for _, s in rejected)
+    answer_s = sorted(s for _, _, s in accepted)
+    print(f"burst of {len(cases)}: {len(accepted)} answered (median {answer_s[len(answer_s) // 2]:.1f} s), "
+          f"{len(rejected)} rejected (median {rejection_s[len(rejection_s) // 2]:.2f} s, max {rejection_s[-1]:.2f} s)")
+    assert rejection_s[-1] < answer_s[len(answer_s) // 2], (rejection_s[-1], answer_s[len(answer_s) // 2])
+    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
 def test_grafana_dashboard_references_only_metrics_the_app_exports(client):
