@@ -148,10 +148,6 @@ async def _prepare_body(request: Request, max_body_bytes: int) -> Response | Non
         payload = json.loads(body)
     except ValueError:
         payload = None  # not JSON: FastAPI reports it
-    if isinstance(payload, dict):
-        problem = _crashes_the_model(request.url.path, payload)
-        if problem is not None:
-            return openai_error(400, f"malformed request body: {problem}")
     header = request.headers.get(CONVERSATION_HEADER)
     conversation_id = header
     if isinstance(payload, dict) and "conversation_id" in payload:
@@ -159,6 +155,10 @@ async def _prepare_body(request: Request, max_body_bytes: int) -> Response | Non
         if header is not None and conversation_id != header:
             return openai_error(400, "conversation_id and the X-Conversation-Id header differ", param="conversation_id")
         request._body = json.dumps(payload).encode()  # what the endpoint will read
+    if isinstance(payload, dict):
+        problem = _crashes_the_model(request.url.path, payload)
+        if problem is not None:
+            return openai_error(400, f"malformed request body: {problem}")
     if conversation_id is None:
         return None
     if not isinstance(conversation_id, str) or not CONVERSATION_ID_PATTERN.fullmatch(conversation_id):
@@ -175,7 +175,7 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
     null`` raised TypeError, a 500). Rejections (pydantic's ValidationError, a ValueError;
     vLLM's client errors) are left to the endpoint, which answers them with the details."""
     try:
-        _REQUEST_MODELS[path].model_validate({k: v for k, v in payload.items() if k != "conversation_id"})
+        _REQUEST_MODELS[path].model_validate(payload)
     except (ValueError, VLLMClientError):
         return None
     except Exception as e:  # noqa: BLE001 - any crash on client input is the client's 400

@@ -55,10 +55,9 @@ def measure(sizes_mib: list[int], iters: int, descriptor_kib: int, backend: str)
     import numpy as np
     from nixl._api import nixl_agent, nixl_agent_config
 
-    if backend == "UCX":
-        from connector.nixl_progress import calm_progress_threads
+    from connector.nixl_progress import calm_progress_threads
 
-        calm_progress_threads()  # the engines' agents run this way (connector.vllm_connectors)
+    calm_progress_threads([backend])  # the engines' agents run this way (connector.vllm_connectors)
     target = nixl_agent("bench-target", nixl_agent_config(backends=[backend]))
     initiator = nixl_agent("bench-initiator", nixl_agent_config(backends=[backend]))
     buffers = []

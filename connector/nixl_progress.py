@@ -24,9 +24,14 @@ logger = logging.getLogger("vllm.rendezvous")
 PROGRESS_POLL_US = 1000
 
 
-def calm_progress_threads(min_delay_us: int = PROGRESS_POLL_US) -> bool:
+def calm_progress_threads(backends=("UCX",), min_delay_us: int = PROGRESS_POLL_US) -> bool:
     """Make NIXL agents created from now on in this process wait at least
-    ``min_delay_us`` between progress rounds when idle. True if in effect."""
+    ``min_delay_us`` between progress rounds when idle. True if in effect.
+
+    UCX-only agents: only the UCX backend's thread is known to wake on events; another
+    backend's progress thread might rely on the timeout, so it is left as NIXL set it."""
+    if list(backends) != ["UCX"]:
+        return False
     from vllm.distributed import nixl_utils
 
     agent_cls = nixl_utils.NixlWrapper  # loads NIXL the way vLLM's connector will

@@ -73,11 +73,8 @@ def _keep_cpu_affinity(role: KVConnectorRole):
 
 
 def _calm_ucx_progress(vllm_config) -> None:
-    # Only the UCX backend's thread is known to wake on events (connector.nixl_progress);
-    # another backend's progress thread might rely on the timeout, so leave it as NIXL set it.
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    if list(extra.get("backends") or ["UCX"]) == ["UCX"]:
-        calm_progress_threads()
+    calm_progress_threads(extra.get("backends") or ["UCX"])  # vLLM's default backend list
 
 
 class RendezvousPushConnector(NixlPushConnector):
