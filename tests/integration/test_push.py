@@ -204,10 +204,27 @@ def test_load_step_writes_well_formed_results(client, tmp_path):
 # --------------------------------------------------------------------------- faults
 
 
-def _idle(snap, role: str) -> bool:
-    """No request in the engine and no KV block held for one (vLLM's own gauges)."""
-    values = snap.get(role, {})
-    return all(values.get(key, 1.0) == 0.0 for key in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"))
+_IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+
+
+def _wait_until_idle(client, roles: tuple[str, ...], timeout_s: float) -> None:
+    """Wait until every engine of ``roles`` last reported no request and no KV block held.
+
+    Ray exports an engine's gauges only while the engine sets them, i.e. while it steps:
+    an engine that went idle stops reporting a few seconds later. So this keeps the
+    latest value each role reported instead of asking one scrape for all roles at once
+    (a role that went idle early may have vanished before another one got there)."""
+    latest: dict[str, dict[str, float]] = {role: {} for role in roles}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        snap = client.metrics.snapshot()
+        for role in roles:
+            latest[role].update({key: snap[role][key] for key in _IDLE_GAUGES if key in snap.get(role, {})})
+        busy = {role: values for role, values in latest.items() if [values.get(k) for k in _IDLE_GAUGES] != [0.0] * 3}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
+        time.sleep(0.5)
 
 
 def _requests_by_prefill_path(client) -> Counter:
@@ -231,7 +248,7 @@ def test_client_disconnects_mid_stream_abort_both_legs_and_free_their_kv(client,
     with cf.ThreadPoolExecutor(32) as pool:
         assert all(pool.map(first_chunk_then_hang_up, range(32)))
     # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
-    client.metrics.wait_for(lambda s: _idle(s, "prefill") and _idle(s, "decode"), timeout_s=60, poll_s=0.5)
+    _wait_until_idle(client, ("prefill", "decode"), timeout_s=60)
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
@@ -271,9 +288,7 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
             os.kill(pid, signal.SIGCONT)
     # First, while the engines still report: Ray exports a gauge only while it is being set,
     # so an engine that has been idle for a while reports nothing at all.
-    client.metrics.wait_for(
-        lambda s: _idle(s, "decode") and _idle(s, "prefill"), timeout_s=handoff.kv_timeout_s + 30, poll_s=0.5
-    )
+    _wait_until_idle(client, ("prefill", "decode"), timeout_s=handoff.kv_timeout_s + 30)
     assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
     deadline = time.monotonic() + 30
     while (grown := _requests_by_prefill_path(client) - before)["fallback"] < 2 and time.monotonic() < deadline:
