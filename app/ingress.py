@@ -2,8 +2,10 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
-a request size limit (413) and, when ``ingress.api_key_env`` names an environment variable,
-bearer-token authentication (401) on everything but ``/health``.
+a request size limit (413), an error event (not a cut connection) ending a stream that
+failed after it started (its decode replica died), and, when ``ingress.api_key_env``
+names an environment variable, bearer-token authentication (401) on everything but
+``/health``.
 
 A ``conversation_id`` body field is validated and moved into the ``X-Conversation-Id``
 header (where the decode router and replicas read it), so vLLM never sees an unknown
@@ -13,10 +15,12 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import os
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -24,6 +28,8 @@ from vllm.exceptions import VLLMClientError
 
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
+
+logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -183,9 +189,29 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
     return None
 
 
+async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: str) -> AsyncIterator[str | bytes]:
+    """``chunks`` of a server-sent event stream; if they fail after the stream started
+    (its decode replica died), an OpenAI error event and ``[DONE]`` end the stream, as
+    vLLM's own server ends one, instead of a connection cut mid-chunk."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:  # noqa: BLE001 - the status line is long gone: tell the client in-band
+        logger.warning("stream of %s failed after it started: %r", path, exc)
+        error = json.loads(openai_error(503, f"the stream failed after it started ({type(exc).__name__}); retry the request").body)
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
+
+
 class Ingress(OpenAiIngress):
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
+        # Upstream streams the replica's chunks with no handling of a failure mid-stream.
+        response = await super()._process_llm_request(body, call_method, raw_request)
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = ending_with_an_error_event(response.body_iterator, call_method)
+        return response
 
 
 ENDPOINTS = {**DEFAULT_ENDPOINTS, "health": lambda app: app.get("/health")}

@@ -4,6 +4,7 @@ app the ingress serves; a stand-in route plays the decode deployment."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from app.args import AppArgs, IngressArgs
-from app.ingress import make_app
+from app.ingress import ending_with_an_error_event, make_app
 
 
 def _app(limit: int, **kwargs):
@@ -105,6 +106,20 @@ def test_a_stream_holds_its_slot_until_it_ends():
 
     busy, body, in_flight = asyncio.run(go())
     assert busy == 429 and body.endswith(b"data: [DONE]\n\n") and in_flight == 0
+
+
+def test_a_stream_that_fails_after_it_started_ends_with_an_error_event():
+    async def chunks():
+        yield "data: 1\n\n"
+        raise RuntimeError("replica died")  # in kind, what a dead decode replica's handle raises
+
+    async def go():
+        return [chunk async for chunk in ending_with_an_error_event(chunks(), "chat")]
+
+    events = [line.removeprefix("data: ") for line in "".join(asyncio.run(go())).splitlines() if line.startswith("data: ")]
+    assert events[0] == "1" and events[-1] == "[DONE]" and len(events) == 3
+    error = json.loads(events[1])["error"]
+    assert error["code"] == 503 and error["type"] == "server_error" and "RuntimeError" in error["message"]
 
 
 def test_an_oversized_body_gets_413():

@@ -148,6 +148,18 @@ def test_pd_servers():
     assert callable(PDPrefillServer.record_replica_metadata)
 
 
+def test_the_ingress_streams_through_the_method_we_wrap():
+    """``app.ingress.Ingress`` wraps the StreamingResponse that upstream's
+    ``_process_llm_request`` returns, and every generation endpoint goes through it."""
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    method = OpenAiIngress._process_llm_request
+    assert list(inspect.signature(method).parameters) == ["self", "body", "call_method", "raw_request"]
+    assert "return StreamingResponse(" in inspect.getsource(method)
+    for endpoint in (OpenAiIngress.chat, OpenAiIngress.completions):
+        assert "self._process_llm_request(" in inspect.getsource(endpoint)
+
+
 def test_build_llm_deployment_signature():
     params = inspect.signature(build_llm_deployment).parameters
     for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
