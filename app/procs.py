@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 BASE_URL = "http://127.0.0.1:8000"
 # Ports the local configs use: HTTP, and the first side channels of each role.
 LOCAL_PORTS = (8000, 20000, 20001, 22000, 22001)
+RAY_SESSION = Path("/tmp/ray/session_latest")  # the local Ray cluster's session (ports, logs)
 
 
 def new_run_env(base: dict[str, str] | None = None, *, keep_existing: bool = False) -> dict[str, str]:
@@ -220,8 +221,7 @@ class AppProcess:
 
     def metrics_url(self) -> str:
         """Ray's Prometheus export on this node (vLLM engine metrics carry ``ray_vllm_``)."""
-        session = Path("/tmp/ray/session_latest")
-        port = next(session.glob("metrics_export_port_*")).read_text().strip()
+        port = next(RAY_SESSION.glob("metrics_export_port_*")).read_text().strip()
         return f"http://127.0.0.1:{port}/metrics"
 
 

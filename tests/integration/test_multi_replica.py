@@ -5,12 +5,16 @@ a conversation goes to the replica holding it until its retention (short here) e
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import threading
 import time
 from collections import Counter
 
 import pytest
 
+from app.procs import RAY_SESSION
 from bench.engine_metrics import delta, scrape
 from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
 from tests.integration.conftest import app_client, with_args
@@ -158,3 +162,94 @@ def test_a_turn_after_retention_ended_is_served_in_full_and_correct(client, refe
     after = wait_ours(client, lambda c: _counted(c, before, "expired") >= 1)
     assert (_counted(after, before, "first_turn"), _counted(after, before, "expired")) == (1, 1), after
     assert after[("conversation_prompt_tokens", "reused")] == before[("conversation_prompt_tokens", "reused")]
+
+
+def healthy_replicas(client, deployment: str, timeout_s: float = 60) -> dict[str, str]:
+    """Replicas of ``deployment`` Serve's controller reports healthy: replica id -> the id
+    of the Ray worker it runs in (from the replica's own start counter, which Ray may
+    export a few seconds after the controller's gauge)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape(client.metrics.url)
+        healthy = {
+            labels["replica"] for name, labels, value in samples
+            if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
+            and value == 1
+        }
+        workers = {
+            labels["replica"]: labels["WorkerId"] for name, labels, _ in samples
+            if name == "ray_serve_deployment_replica_starts_total" and labels.get("replica") in healthy
+        }
+        if (healthy and workers.keys() == healthy) or time.monotonic() > deadline:
+            return workers
+        time.sleep(1)
+
+
+def worker_pid(worker_id: str) -> int:
+    """The pid of a Ray worker: Ray names each worker's log files ``worker-<id>-<job>-<pid>``."""
+    logs = sorted(RAY_SESSION.glob(f"logs/worker-{worker_id}-*.out"))
+    assert logs, f"no log file of Ray worker {worker_id}"
+    return int(logs[0].stem.rsplit("-", 1)[1])
+
+
+def turns_on(client, replica: str, history: str) -> float:
+    """Conversation turns one replica served with ``history`` (ours() sums over replicas)."""
+    return sum(
+        value for name, labels, value in scrape(client.metrics.url)
+        if name == "ray_rendezvous_conversation_turns_total" and labels.get("replica") == replica and labels.get("history") == history
+    )
+
+
+def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
+    """Stream ``body``; SIGKILL ``pid`` after the first event; return every event's data."""
+    events = []
+    with client.http.stream("POST", "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line.removeprefix("data: "))
+            if len(events) == 1:
+                os.kill(pid, signal.SIGKILL)
+    return events
+
+
+@pytest.mark.slow
+def test_a_decode_replica_killed_mid_stream_ends_its_stream_cleanly_and_its_conversation_goes_on(client, reference):
+    """SIGKILL the decode replica holding a conversation while it streams a turn: the stream
+    ends with an error event (no hang, no cut connection); the conversation's next turn is
+    served in full by the other replica (history: replica_gone) and is correct, the turn
+    after reuses history there; Serve replaces the killed replica and the app serves on."""
+    replicas = healthy_replicas(client, "Decode")
+    assert len(replicas) == 2, replicas
+    before = settled_ours(client)
+    conversation = Conversation("orphaned")
+    conversation.say(client, user_text(1, 30))
+    served = wait_ours(client, lambda c: sum(c[("replica", r)] - before[("replica", r)] for r in replicas) >= 1)
+    holder = next(r for r in replicas if served[("replica", r)] > before[("replica", r)])
+    survivor = next(r for r in replicas if r != holder)
+
+    # The same conversation, so affinity routes it to the holder; long enough to be killed mid-way.
+    body = {"messages": conversation.messages + [{"role": "user", "content": "Count from one to one thousand."}],
+            "max_tokens": 3000, "ignore_eos": True, "temperature": 0, "stream": True, "conversation_id": "orphaned"}
+    events = _stream_then_kill(client, body, worker_pid(replicas[holder]))
+    assert events[-1] == "[DONE]" and len(events) >= 3, events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and error["type"] == "server_error", error
+
+    gone = turns_on(client, survivor, "replica_gone")
+    conversation.say(client, user_text(2, 8))
+    reused = turns_on(client, survivor, "reused")
+    conversation.say(client, user_text(3, 8))
+    conversation.assert_identical(reference)
+    deadline = time.monotonic() + 60
+    while (turns_on(client, survivor, "replica_gone"), turns_on(client, survivor, "reused")) != (gone + 1, reused + 1):
+        assert time.monotonic() < deadline, "turns 2 and 3 were not counted on the surviving replica as replica_gone, reused"
+        time.sleep(1)
+
+    deadline = time.monotonic() + 600
+    while len(replacement := set(healthy_replicas(client, "Decode")) - {holder}) < 2:
+        assert time.monotonic() < deadline, f"Serve did not replace the killed decode replica: healthy {replacement}"
+        time.sleep(5)
+    for case in (CASE_BY_NAME["completion-short"], CASE_BY_NAME["completion-long"]):
+        assert_token_identical(client, reference, case)
