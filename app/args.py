@@ -198,6 +198,11 @@ class HandoffArgs(_Strict):
         return self
 
 
+class PullHistory(str, Enum):
+    RECOMPUTE = "recompute"
+    UPSTREAM = "upstream"
+
+
 class ConversationArgs(_Strict):
     enabled: bool = Field(
         True, description="Requests with a `conversation_id` (body field or X-Conversation-Id header) go to the decode "
@@ -210,6 +215,14 @@ class ConversationArgs(_Strict):
     )
     recompute_threshold: int = Field(
         64, ge=0, description="Prefill recomputes instead of reading history back when fewer tokens than this are reusable."
+    )
+    pull_history: PullHistory = Field(
+        PullHistory.RECOMPUTE,
+        description="Pull mode only. recompute: prefill computes every turn in full (decode still reads only the new "
+        "tail). upstream: vLLM's own read-back (bidirectional_kv_xfer), for comparison with push: decode keeps each "
+        "non-streamed turn's blocks for retention_s outside the prefix cache (not evictable), and prefill READs the "
+        "verified whole-block prefix of the history back. Streamed turns cannot carry the blocks' address: their next "
+        "turn recomputes.",
     )
 
 
@@ -253,6 +266,15 @@ class AppArgs(_Strict):
                     self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))
                 except ValueError as e:
                     problems.append(str(e))
+        if self.conversations.pull_history is PullHistory.UPSTREAM and (self.mode is not TransferMode.PULL or not self.conversations.enabled):
+            problems.append(
+                "conversations.pull_history: upstream is vLLM's pull-mode read-back of a conversation's history; it needs "
+                "mode: pull and conversations.enabled (push reuses history its own way)"
+            )
+        if "bidirectional_kv_xfer" in self.nixl.extra_config:
+            problems.append("nixl.extra_config.bidirectional_kv_xfer: set conversations.pull_history: upstream (pull mode) instead")
+        if self.upstream_pull_history and "decoder_kv_blocks_ttl" in self.nixl.extra_config:
+            problems.append("nixl.extra_config.decoder_kv_blocks_ttl: with pull_history upstream it is conversations.retention_s")
         if self.conversations.enabled and self.decode.engine_kwargs.get("enable_prefix_caching") is False:
             problems.append("decode.engine_kwargs.enable_prefix_caching: conversations need it; set conversations.enabled: false")
         if problems:
@@ -265,6 +287,11 @@ class AppArgs(_Strict):
     def engine_kwargs_for(self, role: Role) -> dict[str, Any]:
         """The role's engine arguments as configured (the engines get ``llm_configs``' version)."""
         return {**self.engine_kwargs, **self.role(role).engine_kwargs}
+
+    @property
+    def upstream_pull_history(self) -> bool:
+        """Pull mode reads conversation history back from decode the vLLM way."""
+        return self.conversations.enabled and self.conversations.pull_history is PullHistory.UPSTREAM
 
     @property
     def isolate_uncached_requests(self) -> bool:

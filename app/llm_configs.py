@@ -32,6 +32,10 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
     if args.mode is TransferMode.PUSH:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
+    elif args.upstream_pull_history:
+        extra["bidirectional_kv_xfer"] = True
+        extra["decoder_kv_blocks_ttl"] = args.conversations.retention_s
+        extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -36,9 +36,17 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from app.args import PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
 from app.decode_router import STATS_KEY
-from connector.params import REUSE_KEY, REUSE_REPORT_KEY, new_transfer_request_id
+from connector.params import (
+    KEEP_HISTORY_KEY,
+    REUSE_KEY,
+    REUSE_REPORT_KEY,
+    new_transfer_request_id,
+    pull_history_params,
+    verified_history_tokens,
+)
 from connector.ray_backend import register_backends
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
@@ -68,6 +76,15 @@ class _Route:
     prefill: str
 
 
+@dataclass
+class _KeptHistory:
+    """Pull with upstream read-back: what decode kept of a conversation's last turn."""
+
+    params: dict  # kv_transfer_params of decode's response: where the blocks are
+    token_ids: list[int]  # the turn's prompt as rendered here: what the kept KV is verified against
+    kept_at: float
+
+
 class DecodeServer(PDDecodeServer):
     async def __init__(
         self,
@@ -94,6 +111,10 @@ class DecodeServer(PDDecodeServer):
         self._conversations = ConversationTable(conversations.retention_s) if conversations else None
         self._isolate_uncached = isolate_uncached
         self._reuse_reports: dict[str, dict] = {}  # request id -> prefill's report, until the turn ends
+        self._upstream_history = bool(conversations) and mode == "pull" and conversations.pull_history is PullHistory.UPSTREAM
+        self._recompute_threshold = conversations.recompute_threshold if conversations else 0
+        self._kept: dict[str, _KeptHistory] = {}  # conversation id -> its last turn's blocks (upstream read-back)
+        self._kept_params: dict[str, dict] = {}  # request id -> decode's response params, until the turn ends
 
     async def chat(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "chat")
@@ -129,9 +150,14 @@ class DecodeServer(PDDecodeServer):
         elif self._isolate_uncached:
             update["cache_salt"] = _salt(request, update["request_id"])
         request = request.model_copy(update=update)
+        prompt_ids = self._prompt_token_ids(request)
+        # Unknown counts as long enough to disaggregate.
+        prompt_tokens = len(prompt_ids) if prompt_ids is not None else self._local_below
+        history = None
         if turn is not None:
             self._reuse_reports[request.request_id] = None  # filled in by the prefill leg, if it reports
-        prompt_tokens = self._count_prompt_tokens(request)
+            if self._upstream_history:
+                history = self._read_back(turn, request.request_id, prompt_ids or [])
         # What would have to be computed: for a conversation turn, beyond the history held here.
         to_compute = prompt_tokens - (turn.held_tokens if turn is not None and turn.reuse else 0)
         route = _Route("local" if to_compute < self._local_below else "remote")
@@ -139,7 +165,8 @@ class DecodeServer(PDDecodeServer):
         if route.prefill == "local":
             gen = await getattr(LLMServer, endpoint)(self, request, raw_request_info)
         else:
-            gen = self._remote_or_fallback(request, raw_request_info, endpoint, route)
+            keep = turn is not None and self._upstream_history and not getattr(request, "stream", False)
+            gen = self._remote_or_fallback(request, raw_request_info, endpoint, route, history, keep)
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost
@@ -156,7 +183,7 @@ class DecodeServer(PDDecodeServer):
             self._metrics.load(self._ongoing, self._tokens_in_flight)
             self._metrics.finished(route.prefill, getattr(request, "stream", False), first, time.monotonic() - started)
             if turn is not None:
-                self._end_turn(turn, route, request.request_id, prompt_tokens)
+                self._end_turn(turn, route, request.request_id, prompt_ids or [])
 
     def _begin_turn(self, request, raw_request_info) -> Turn | None:
         headers = getattr(raw_request_info, "headers", None) or {}
@@ -165,14 +192,19 @@ class DecodeServer(PDDecodeServer):
             return None
         return self._conversations.begin(conversation_id, time.time(), continues_a_conversation(request))
 
-    def _end_turn(self, turn: Turn, route: _Route, request_id: str, prompt_tokens: int) -> None:
-        self._conversations.end(turn, time.time(), prompt_tokens)
+    def _end_turn(self, turn: Turn, route: _Route, request_id: str, prompt_ids: list[int]) -> None:
+        now = time.time()
+        prompt_tokens = len(prompt_ids)
+        self._conversations.end(turn, now, prompt_tokens)
         report = self._reuse_reports.pop(request_id, None)
+        kept = self._kept_params.pop(request_id, None)
+        if kept is not None:
+            self._kept[turn.conversation_id] = _KeptHistory(kept, prompt_ids, now)
         if not turn.reuse:
             outcome = turn.reason
         elif route.prefill != "remote":
             outcome = route.prefill  # local: decode prefilled it from its own cache; fallback
-        elif self._mode != "push":
+        elif self._mode != "push" and not self._upstream_history:
             outcome = "unsupported"  # pull: prefill recomputes; decode still reads only the new tail
         else:
             outcome = report["reason"] if report else "unreported"
@@ -185,12 +217,31 @@ class DecodeServer(PDDecodeServer):
             turn.conversation_id, request_id, outcome, prompt_tokens, reused, reused * per_token, pushed, pushed * per_token,
         )
 
-    async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, route: _Route):
+    def _read_back(self, turn: Turn, request_id: str, prompt_ids: list[int]) -> dict | None:
+        """Pull with upstream read-back: the prefill leg's params that READ the verified
+        prefix of the history this replica kept, or None (and why, as the turn's report)."""
+        kept = self._kept.pop(turn.conversation_id, None)
+        now = time.time()
+        for cid in [c for c, k in self._kept.items() if now - k.kept_at > self._conversations.retention_s]:
+            del self._kept[cid]  # conversations that never came back; decode freed their blocks
+        if not turn.reuse:
+            return None
+        tokens, reason = 0, "no_offer"  # a streamed turn, or one served without a transfer
+        if kept is not None:
+            tokens = verified_history_tokens(kept.token_ids, prompt_ids, self._cache_config().block_size)
+            reason = "no_match" if tokens == 0 else "threshold" if tokens < max(1, self._recompute_threshold) else "reused"
+        self._reuse_reports[request_id] = {
+            "reason": reason, "reused_tokens": tokens if reason == "reused" else 0, "pushed_tokens": 0,
+            "kv_bytes_per_token": self._kv_bytes_per_token(),
+        }
+        return pull_history_params(kept.params, tokens, self._cache_config().block_size) if reason == "reused" else None
+
+    async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, route: _Route, history=None, keep=False):
         """Disaggregated prefill; if the handoff fails before anything reached the client,
         the decode engine prefills the prompt itself (a fresh engine request id: the
         aborted one may still be finishing)."""
         if self._mode == "pull":
-            remote = self._pull_handoff(request, raw_request_info, endpoint)
+            remote = self._pull_handoff(request, raw_request_info, endpoint, history, keep)
         else:
             remote = self._pd_handle_request(request, raw_request_info)
         try:
@@ -212,12 +263,15 @@ class DecodeServer(PDDecodeServer):
         async for chunk in await getattr(LLMServer, endpoint)(self, local, raw_request_info):
             yield chunk
 
-    async def _pull_handoff(self, request, raw_request_info, endpoint: str):
-        """Pull: prefill first (bounded by the deadline), then decode READs its KV."""
+    async def _pull_handoff(self, request, raw_request_info, endpoint: str, history=None, keep=False):
+        """Pull: prefill first (bounded by the deadline), then decode READs its KV. With
+        ``history``, prefill first READs that much of a conversation's history back from
+        decode; with ``keep``, decode keeps this turn's blocks for the next turn."""
         backend = self._get_connector_backend()
-        prefill = getattr(self._prefill_handle, endpoint).remote(
-            backend.prepare_prefill_request(request=request, peer=None), raw_request_info
-        )
+        prefill_request = backend.prepare_prefill_request(request=request, peer=None)
+        if history is not None:
+            prefill_request.kv_transfer_params = history
+        prefill = getattr(self._prefill_handle, endpoint).remote(prefill_request, raw_request_info)
         try:
             chunk = await asyncio.wait_for(prefill.__anext__(), self._prefill_timeout_s)
         except TimeoutError:
@@ -229,7 +283,14 @@ class DecodeServer(PDDecodeServer):
         async for _ in prefill:  # one token: let the response complete
             pass
         decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=chunk)
+        if keep:
+            decode_request.kv_transfer_params = {**decode_request.kv_transfer_params, KEEP_HISTORY_KEY: True}
         async for chunk in await getattr(LLMServer, endpoint)(self, decode_request, raw_request_info):
+            params = getattr(chunk, "kv_transfer_params", None)
+            if params:
+                chunk.kv_transfer_params = None  # engine addresses and block ids are not the client's business
+                if keep:
+                    self._kept_params[request.request_id] = params
             yield chunk
 
     async def _concurrent_decode(self, method, decode_request, prefill_resp, raw_request_info, *, cancel_on_failure=True):
@@ -286,32 +347,44 @@ class DecodeServer(PDDecodeServer):
             return
         self._reuse_reports[request_id] = prefill.result()[1]
 
-    def _count_prompt_tokens(self, request) -> int:
-        """Prompt tokens of ``request``; unknown counts as long enough to disaggregate."""
+    def _prompt_token_ids(self, request) -> list[int] | None:
+        """Prompt token ids of ``request`` as this replica renders them; None if unknown."""
         if self._tokenizer is None:
-            return self._local_below
+            return None
         try:
             if hasattr(request, "messages"):
                 # return_dict=False: transformers 5 returns a BatchEncoding (2 keys) by default.
-                return len(self._tokenizer.apply_chat_template(
+                return list(self._tokenizer.apply_chat_template(
                     [_plain_message(m) for m in request.messages], add_generation_prompt=True, tokenize=True,
                     return_dict=False,
                 ))
             prompt = request.prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return len(prompt)
+                return list(prompt)
             if isinstance(prompt, str):
-                return len(self._tokenizer.encode(prompt, add_special_tokens=False))
-        except Exception:  # an unusual prompt shape: the engine will judge it; count it as long
-            logger.debug("could not count prompt tokens", exc_info=True)
-        return self._local_below
+                return self._tokenizer.encode(prompt, add_special_tokens=False)
+        except Exception:  # an unusual prompt shape: the engine will judge it
+            logger.debug("could not tokenize the prompt", exc_info=True)
+        return None
+
+    def _vllm_config(self):
+        return getattr(getattr(self.engine, "_engine_client", None), "vllm_config", None)
+
+    def _cache_config(self):
+        return self._vllm_config().cache_config
 
     def _kv_capacity_tokens(self) -> int | None:
-        config = getattr(getattr(self.engine, "_engine_client", None), "vllm_config", None)
-        cache = getattr(config, "cache_config", None)
+        cache = getattr(self._vllm_config(), "cache_config", None)
         if cache is None or not cache.num_gpu_blocks:
             return None
         return cache.num_gpu_blocks * cache.block_size
+
+    def _kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, all tensor parallel ranks together."""
+        config = self._vllm_config()
+        model = config.model_config
+        itemsize = 1 if "fp8" in str(config.cache_config.cache_dtype) else model.dtype.itemsize
+        return 2 * model.get_total_num_hidden_layers() * model.get_total_num_kv_heads() * model.get_head_size() * itemsize
 
 
 class DecodeMetrics:

@@ -8,6 +8,7 @@ connectors (see ``tests/unit/test_params.py`` for the seam).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -39,6 +40,11 @@ REUSE_REPORT_KEY = "rendezvous_reuse_report"
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
 # How long prefill waits for decode's offer before it computes the whole prompt.
 REUSE_OFFER_WAIT_S = 2.0
+
+# Pull mode with ``conversations.pull_history: upstream`` (vLLM's ``bidirectional_kv_xfer``):
+# decode keeps the blocks of a turn carrying this key for the next turn's prefill to READ
+# back (connector/pull_history.py); upstream would keep every request's.
+KEEP_HISTORY_KEY = "rendezvous_keep_history"
 
 # vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
 # internal id is ``<prefix><external id>`` once id randomization is disabled.
@@ -116,3 +122,33 @@ def pull_prefill_params() -> dict[str, Any]:
         "remote_host": None,
         "remote_port": None,
     }
+
+
+def pull_history_params(offer: dict[str, Any], tokens: int, block_size: int) -> dict[str, Any]:
+    """Prefill leg in pull mode that first READs ``tokens`` of a conversation's history
+    back from decode (vLLM's bi-directional path). ``offer`` is the ``kv_transfer_params``
+    of decode's response to the previous turn; vLLM would load all of it (its own token
+    count), so it is cut to the whole blocks of the verified prefix. The worker pairs
+    local and remote blocks from the end of the lists: the remote list must end there."""
+    blocks = tokens // block_size
+    return {
+        **offer,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_block_ids": [list(group[:blocks]) for group in offer["remote_block_ids"]],
+        "remote_num_tokens": blocks * block_size,
+    }
+
+
+def reusable_tokens(offered_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens prefill may load: whole blocks only, and never the last prompt token (the
+    engine must compute at least one token to produce the first output)."""
+    limit = (max(prompt_tokens - 1, 0) // block_size) * block_size
+    return max(0, min(offered_tokens, limit))
+
+
+def verified_history_tokens(held: Sequence[int], prompt: Sequence[int], block_size: int) -> int:
+    """History tokens a turn may reuse: whole blocks of the common prefix of the token ids
+    decode holds and the new prompt's (an edited or re-rendered history stops it early)."""
+    common = next((i for i, (a, b) in enumerate(zip(held, prompt)) if a != b), min(len(held), len(prompt)))
+    return reusable_tokens(common // block_size * block_size, len(prompt), block_size)

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY
+from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -63,13 +63,6 @@ class ReuseOffers(KVConnectorWorkerMetadata):
         merged = dict(self.offers)
         merged.update(getattr(other, "offers", {}))
         return ReuseOffers(merged)
-
-
-def reusable_tokens(offered_tokens: int, prompt_tokens: int, block_size: int) -> int:
-    """Tokens prefill may load: whole blocks only, and never the last prompt token (the
-    engine must compute at least one token to produce the first output)."""
-    limit = (max(prompt_tokens - 1, 0) // block_size) * block_size
-    return max(0, min(offered_tokens, limit))
 
 
 class ReuseScheduler(DeadlineScheduler):

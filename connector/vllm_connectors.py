@@ -21,7 +21,8 @@ And they keep NIXL's UCX progress thread from busy-polling a core per engine
 (``connector.nixl_progress``; UCX-only agents).
 
 Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``) and
-reuse of a conversation's history held by decode (``connector.push_reuse``).
+reuse of a conversation's history held by decode (``connector.push_reuse``). Pull only:
+vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 
 from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_TIMEOUT_KEY
+from connector.pull_history import HistoryPullScheduler
 from connector.push_reuse import ReuseScheduler, ReuseWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -113,3 +115,5 @@ class RendezvousPullConnector(NixlPullConnector):
         _calm_ucx_progress(vllm_config)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
+        if self.connector_scheduler is not None:  # swapped in, as for push above
+            self.connector_scheduler.__class__ = HistoryPullScheduler

@@ -228,6 +228,26 @@ def test_kv_transfer_config_in_engine_kwargs_is_refused(raw, role):
     assert "do not set it" in message
 
 
+@pytest.mark.parametrize(
+    "raw, fragment",
+    [
+        ({"conversations": {"pull_history": "upstream"}}, "needs mode: pull"),  # push is the default mode
+        ({"mode": "pull", "conversations": {"pull_history": "upstream", "enabled": False}}, "needs mode: pull and conversations.enabled"),
+        ({"mode": "pull", "nixl": {"extra_config": {"bidirectional_kv_xfer": True}}}, "set conversations.pull_history: upstream"),
+        ({"mode": "pull", "conversations": {"pull_history": "upstream"}, "nixl": {"extra_config": {"decoder_kv_blocks_ttl": 9}}},
+         "it is conversations.retention_s"),
+        ({"conversations": {"pull_history": "sometimes"}}, "pull_history"),
+    ],
+)
+def test_pull_history_is_checked_against_mode_and_upstream_knobs(raw, fragment):
+    assert fragment in parse_error(raw)
+
+
+def test_pull_history_upstream_in_pull_mode_is_accepted():
+    args = AppArgs.parse({"mode": "pull", "conversations": {"pull_history": "upstream"}})
+    assert args.upstream_pull_history
+
+
 # --------------------------------------------------------------------------- side-channel ports
 
 

@@ -116,7 +116,7 @@ def test_the_router_reads_the_conversation_from_the_header_and_learns_holders():
     [(512, 700, 128, 512), (512, 513, 128, 512), (512, 512, 128, 384), (0, 700, 128, 0), (1024, 300, 128, 256), (100, 700, 16, 100)],
 )
 def test_reuse_is_whole_blocks_and_never_the_last_prompt_token(offered, prompt, block, want):
-    from connector.push_reuse import reusable_tokens
+    from connector.params import reusable_tokens
 
     assert reusable_tokens(offered, prompt, block) == want
 
@@ -208,13 +208,14 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     server._conversations, server._reuse_reports = ConversationTable(retention_s=100), {}
     server._ongoing = server._tokens_in_flight = 0
     prompts = iter([900, 900 + new_user_tokens])
-    server._count_prompt_tokens = lambda request: next(prompts)
+    server._prompt_token_ids = lambda request: [0] * next(prompts)
+    server._upstream_history, server._kept_params = False, {}
     routes = []
     server._metrics = types.SimpleNamespace(
         load=lambda *a: None, finished=lambda prefill, *a: routes.append(prefill), turn=lambda *a: None
     )
 
-    async def remote(request, raw, endpoint, route: _Route):
+    async def remote(request, raw, endpoint, route: _Route, history=None, keep=False):
         yield "remote"
 
     async def local(self, request, raw=None):
@@ -233,3 +234,88 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
 
     asyncio.run(two_turns())
     assert routes == ["remote", path]
+
+
+# --------------------------------------------------------------------------- pull: vLLM's own read-back
+
+
+def test_decode_keeps_blocks_only_for_the_turns_that_ask(monkeypatch):
+    """With bidirectional_kv_xfer vLLM keeps every finished decode request's blocks; ours
+    only those of the turns the orchestrator marks (prefill's side is upstream's)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+    from connector.params import KEEP_HISTORY_KEY
+    from connector.pull_history import HistoryPullScheduler
+
+    # Upstream's request_finished, reduced to what it decides on: keep for a read-back or not.
+    monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished", lambda self, request, block_ids: self.is_bidirectional_kv_xfer_enabled)
+    scheduler = HistoryPullScheduler.__new__(HistoryPullScheduler)
+    scheduler.is_bidirectional_kv_xfer_enabled = True
+
+    def keeps(params) -> bool:
+        return scheduler.request_finished(types.SimpleNamespace(kv_transfer_params=params), [[1, 2]])
+
+    assert not keeps({"do_remote_prefill": True})  # a one-off request, or a streamed turn
+    assert keeps({"do_remote_prefill": True, KEEP_HISTORY_KEY: True})
+    assert keeps({"do_remote_decode": True})  # prefill: as upstream
+    assert scheduler.is_bidirectional_kv_xfer_enabled
+    scheduler.is_bidirectional_kv_xfer_enabled = False
+    assert not keeps({"do_remote_prefill": True, KEEP_HISTORY_KEY: True})
+
+
+def _pull_server():
+    from app.servers import DecodeServer
+
+    server = DecodeServer.__new__(DecodeServer)
+    server._conversations, server._reuse_reports, server._kept = ConversationTable(retention_s=100), {}, {}
+    server._recompute_threshold = 64
+    server._cache_config = lambda: types.SimpleNamespace(block_size=16)
+    server._kv_bytes_per_token = lambda: 1000
+    return server
+
+
+HISTORY = list(range(200))
+OFFER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [list(range(100, 114))], "remote_num_tokens": 220}
+
+
+@pytest.mark.parametrize(
+    "kept, prompt, reason, reused",
+    [
+        (None, HISTORY + [1, 2], "no_offer", 0),  # e.g. the last turn was streamed
+        (HISTORY, HISTORY + [1, 2], "reused", 192),
+        (HISTORY, [7] + HISTORY, "no_match", 0),  # re-rendered from the first token
+        (HISTORY, HISTORY[:50] + [0] * 150, "threshold", 0),  # 48 verified < 64
+    ],
+)
+def test_pull_reads_back_only_the_verified_history(kept, prompt, reason, reused):
+    from app.servers import _KeptHistory
+
+    server = _pull_server()
+    table = server._conversations
+    table.end(table.begin("c", now=0, continuation=False), now=1)
+    if kept is not None:
+        server._kept["c"] = _KeptHistory(OFFER, kept, kept_at=1)
+    turn = table.begin("c", now=2, continuation=True)
+    params = server._read_back(turn, "rdv-2", prompt)
+    report = server._reuse_reports["rdv-2"]
+    assert (report["reason"], report["reused_tokens"], report["kv_bytes_per_token"]) == (reason, reused, 1000)
+    if reason == "reused":
+        assert params["remote_num_tokens"] == 192 and params["remote_block_ids"] == [list(range(100, 112))]
+    else:
+        assert params is None
+    assert "c" not in server._kept  # each kept turn is read back once at most
+
+
+def test_an_expired_conversation_reads_nothing_back_and_its_kept_blocks_are_forgotten():
+    from app.servers import _KeptHistory
+
+    server = _pull_server()
+    table = server._conversations
+    table.end(table.begin("c", now=0, continuation=False), now=1)
+    server._kept["c"] = _KeptHistory(OFFER, HISTORY, kept_at=1)
+    server._kept["abandoned"] = _KeptHistory(OFFER, HISTORY, kept_at=1)
+    turn = table.begin("c", now=500, continuation=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("app.servers.time.time", lambda: 500.0)
+        assert server._read_back(turn, "rdv-2", HISTORY + [1]) is None
+    assert not turn.reuse and server._kept == {} and "rdv-2" not in server._reuse_reports

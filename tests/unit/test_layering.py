@@ -21,7 +21,10 @@ PURE = [
     "connector/params.py", "connector/ports.py", "connector/engine_env.py",
     "app/args.py", "app/llm_configs.py", "app/routing.py", "app/conversations.py",
 ]
-VLLM_SIDE = ["connector/vllm_connectors.py", "connector/push_deadline.py", "connector/push_reuse.py", "connector/nixl_progress.py"]
+VLLM_SIDE = [
+    "connector/vllm_connectors.py", "connector/push_deadline.py", "connector/push_reuse.py", "connector/nixl_progress.py",
+    "connector/pull_history.py",
+]
 RAY_ALLOWED_IN_CONNECTOR = {"connector/ray_backend.py"}
 
 

@@ -114,6 +114,17 @@ def test_kv_transfer_config_names_our_connector(mode, role, kv_role):
     assert "engine_id" not in ktc
 
 
+@pytest.mark.parametrize("pull_history, bidirectional", [("recompute", False), ("upstream", True)])
+def test_pull_history_upstream_turns_on_vllms_read_back_with_our_retention(pull_history, bidirectional):
+    conversations = {"pull_history": pull_history, "retention_s": 90, "recompute_threshold": 32}
+    args = AppArgs.parse({**CPU_RAW, "mode": "pull", "conversations": conversations})
+    for role in Role:
+        extra = cfg(role, args)["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"]
+        assert extra.get("bidirectional_kv_xfer", False) is bidirectional
+        if bidirectional:
+            assert (extra["decoder_kv_blocks_ttl"], extra["kv_recompute_threshold"]) == (90, 32)
+
+
 def test_each_config_gets_its_own_kv_transfer_config():
     """The Ray backend writes engine_id into kv_transfer_config in place: no sharing."""
     prefill, decode = cfg(Role.PREFILL), cfg(Role.DECODE)

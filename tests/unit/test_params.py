@@ -9,9 +9,11 @@ from connector.params import (
     TransferMode,
     engine_request_id,
     new_transfer_request_id,
+    pull_history_params,
     pull_prefill_params,
     push_decode_params,
     push_prefill_params,
+    verified_history_tokens,
 )
 
 PEER = PeerIdentity(engine_id="prefill-r0-h-20000-abc", host="10.1.2.3", port=20000, tp_size=2, pp_size=1)
@@ -66,3 +68,38 @@ def test_connector_classes_extend_vllms_nixl_connectors():
     module = importlib.import_module(CONNECTOR_MODULE)
     assert issubclass(getattr(module, CONNECTOR_CLASS[TransferMode.PUSH]), NixlPushConnector)
     assert issubclass(getattr(module, CONNECTOR_CLASS[TransferMode.PULL]), NixlPullConnector)
+
+
+# Pull mode, conversations.pull_history = upstream: decode's previous turn's
+# kv_transfer_params (vLLM's bidirectional_kv_xfer) as prefill's next leg reads them.
+OFFER = {
+    "do_remote_prefill": False, "do_remote_decode": True, "remote_block_ids": [[7, 3, 9, 4]],
+    "remote_engine_id": "decode-r0-h-22000-abc", "remote_request_id": "chatcmpl-rdv-1", "remote_host": "10.1.2.4",
+    "remote_port": 22000, "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": 61,
+    "remote_blocks_expiry_time": 123.0, "transfer_mode": "pull",
+}
+
+
+def test_history_read_back_is_cut_to_the_verified_whole_blocks():
+    params = pull_history_params(OFFER, tokens=40, block_size=16)
+    # The worker pairs local and remote blocks from the end: the list must end at the prefix.
+    assert params["remote_block_ids"] == [[7, 3]] and params["remote_num_tokens"] == 32
+    assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+    assert {k: params[k] for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")} == {
+        k: OFFER[k] for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+    }
+    assert OFFER["remote_block_ids"] == [[7, 3, 9, 4]]  # the offer itself is left alone
+
+
+@pytest.mark.parametrize(
+    "held, prompt, want",
+    [
+        (list(range(100)), list(range(100)) + [5, 6], 96),  # all held, whole blocks
+        (list(range(100)), list(range(40)) + [0] * 60, 32),  # edited at token 40
+        (list(range(100)), list(range(33)), 32),  # never the last prompt token
+        (list(range(10)), list(range(50)), 0),  # less than a block matches
+        ([], list(range(50)), 0),
+    ],
+)
+def test_verified_history_is_the_block_aligned_common_prefix(held, prompt, want):
+    assert verified_history_tokens(held, prompt, block_size=16) == want

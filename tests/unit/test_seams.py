@@ -175,8 +175,9 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._local_below = local_below
     server._mode = "push"
     server._tokenizer = None
-    server._count_prompt_tokens = lambda request: prompt_tokens
+    server._prompt_token_ids = lambda request: [0] * prompt_tokens
     server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
+    server._upstream_history = False
     server._ongoing = server._tokens_in_flight = 0
     server._metrics = types.SimpleNamespace(
         load=lambda ongoing, tokens: None,
@@ -486,16 +487,14 @@ def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
     expected = server._tokenizer.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue? " * 10}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    assert server._count_prompt_tokens(chat) == len(expected) > 60
+    assert server._prompt_token_ids(chat) == list(expected) and len(expected) > 60
 
 
 def test_without_a_tokenizer_every_request_is_disaggregated():
-    from app.servers import DecodeServer
-
-    server = DecodeServer.__new__(DecodeServer)
-    server._tokenizer, server._local_below = None, 16
-    prompt = CompletionRequest(model="m", prompt="hi")
-    assert server._count_prompt_tokens(prompt) >= server._local_below
+    server = _decode_server(local_below=16)
+    del server._prompt_token_ids  # the real one: no tokenizer, length unknown
+    _drain(server, "completions", CompletionRequest(model="m", prompt="hi"))
+    assert server.paths == ["remote"]
 
 
 # --------------------------------------------------------------------------- handoff deadline (app/servers.py)
@@ -572,6 +571,23 @@ def test_vllm_push_internals_our_overrides_use():
     assert "self.connector_scheduler = NixlPushConnectorScheduler(" in init
     assert "self.connector_worker = NixlPushConnectorWorker(" in init
     assert KVTransferConfig(kv_load_failure_policy="recompute").kv_load_failure_policy == "recompute"
+
+
+def test_vllm_pull_read_back_internals_we_rely_on():
+    """conversations.pull_history: upstream (app.servers, connector.pull_history)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, connector, pull_scheduler
+    from vllm.entrypoints.openai.chat_completion import serving as chat_serving
+
+    finished = inspect.getsource(pull_scheduler.NixlPullConnectorScheduler.request_finished)
+    assert "if is_d_node and not self.is_bidirectional_kv_xfer_enabled:" in finished  # the flag we lower per request
+    for key in ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_num_tokens"):
+        assert f"{key}=" in finished, key  # decode's offer, which the next prefill leg carries
+    matched = inspect.getsource(pull_scheduler.NixlPullConnectorScheduler.get_num_new_matched_tokens)
+    assert 'params.get("remote_num_tokens")' in matched  # how much prefill loads: our verified count
+    # Local and remote blocks pair from the end: the offer's list is cut, not just the count.
+    assert "prefill_block_ids[i] = prefill_group[-num_decode_blocks:]" in inspect.getsource(base_worker)
+    assert '"bidirectional_kv_xfer", False' in inspect.getsource(connector)
+    assert "kv_transfer_params=final_res.kv_transfer_params" in inspect.getsource(chat_serving)  # not in streams
 
 
 def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
