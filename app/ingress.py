@@ -2,10 +2,10 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
-a request size limit (413), an error event (not a cut connection) ending a stream that
-failed after it started (its decode replica died), and, when ``ingress.api_key_env``
-names an environment variable, bearer-token authentication (401) on everything but
-``/health``.
+a request size limit (413), one retry of a request whose decode replica died before its
+first chunk, an error event (not a cut connection) ending a stream that failed after it
+started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
+authentication (401) on everything but ``/health``.
 
 A ``conversation_id`` body field is validated and moved into the ``X-Conversation-Id``
 header (where the decode router and replicas read it), so vLLM never sees an unknown
@@ -13,6 +13,7 @@ field; the header alone works too."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 import logging
@@ -22,7 +23,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
+from ray.serve.metrics import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
@@ -95,9 +98,7 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
-        problem = await _prepare_body(request, max_body_bytes)
-        if problem is not None:
-            return problem
+        # Admission before the body is read and validated: under overload a rejection must cost nearly nothing.
         if not admission.try_enter():
             return openai_error(
                 429,
@@ -105,6 +106,10 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
                 headers={"Retry-After": str(retry_after_s)},
             )
         try:
+            problem = await _prepare_body(request, max_body_bytes)
+            if problem is not None:
+                admission.leave()
+                return problem
             response = await call_next(request)
         except BaseException:
             admission.leave()
@@ -189,6 +194,16 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
     return None
 
 
+@functools.cache
+def _decode_lost() -> Counter:
+    return Counter(
+        "rendezvous_decode_lost",
+        description="Requests whose decode replica died or became unreachable, by when: before_first_chunk (sent "
+        "through the router once more) or mid_stream (the stream ended with an error event).",
+        tag_keys=("when",),
+    )
+
+
 async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: str) -> AsyncIterator[str | bytes]:
     """``chunks`` of a server-sent event stream; if they fail after the stream started
     (its decode replica died), an OpenAI error event and ``[DONE]`` end the stream, as
@@ -198,6 +213,7 @@ async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: s
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the status line is long gone: tell the client in-band
         logger.warning("stream of %s failed after it started: %r", path, exc)
+        _decode_lost().inc(tags={"when": "mid_stream"})
         error = json.loads(openai_error(503, f"the stream failed after it started ({type(exc).__name__}); retry the request").body)
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
 
@@ -207,8 +223,16 @@ class Ingress(OpenAiIngress):
         return {"status": "ok"}
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
+        try:
+            response = await super()._process_llm_request(body, call_method, raw_request)
+        except RayActorError as exc:
+            # The decode replica died (or became unreachable) before its first chunk: nothing
+            # reached the client, so the request goes through the router once more, which
+            # no longer offers that replica.
+            logger.warning("%s: decode replica lost before the first chunk (%r); retrying once", call_method, exc)
+            _decode_lost().inc(tags={"when": "before_first_chunk"})
+            response = await super()._process_llm_request(body, call_method, raw_request)
         # Upstream streams the replica's chunks with no handling of a failure mid-stream.
-        response = await super()._process_llm_request(body, call_method, raw_request)
         if isinstance(response, StreamingResponse):
             response.body_iterator = ending_with_an_error_event(response.body_iterator, call_method)
         return response

@@ -226,15 +226,15 @@ class DecodeServer(PDDecodeServer):
             del self._kept[cid]  # conversations that never came back; decode freed their blocks
         if not turn.reuse:
             return None
-        tokens, reason = 0, "no_offer"  # a streamed turn, or one served without a transfer
+        block_size, tokens, reason = self._cache_config().block_size, 0, "no_offer"  # e.g. the last turn was streamed
         if kept is not None:
-            tokens = verified_history_tokens(kept.token_ids, prompt_ids, self._cache_config().block_size)
+            tokens = verified_history_tokens(kept.token_ids, prompt_ids, block_size)
             reason = "no_match" if tokens == 0 else "threshold" if tokens < max(1, self._recompute_threshold) else "reused"
         self._reuse_reports[request_id] = {
             "reason": reason, "reused_tokens": tokens if reason == "reused" else 0, "pushed_tokens": 0,
             "kv_bytes_per_token": self._kv_bytes_per_token(),
         }
-        return pull_history_params(kept.params, tokens, self._cache_config().block_size) if reason == "reused" else None
+        return pull_history_params(kept.params, tokens, block_size) if reason == "reused" else None
 
     async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, route: _Route, history=None, keep=False):
         """Disaggregated prefill; if the handoff fails before anything reached the client,

@@ -4,6 +4,7 @@
   plot            redraw the plots of a results directory
   multiturn       per-turn TTFT of growing conversations (with and without conversation reuse)
   nixl-bandwidth  NIXL WRITE bandwidth vs memcpy on this machine
+  soak            mixed traffic for a long while, replicas killed on a timer: nothing lost?
 """
 
 from __future__ import annotations
@@ -55,6 +56,14 @@ def _nixl_bandwidth(a: argparse.Namespace) -> int:
     return 0
 
 
+def _soak(a: argparse.Namespace) -> int:
+    from bench.soak import run_soak
+
+    out = Path(a.out or f"results/soak-{time.strftime('%Y%m%d-%H%M%S')}")
+    report = run_soak(a.config, out, minutes=a.minutes, workers=a.workers, kill_every_s=a.kill_every_s)
+    return 1 if report.requests.get("lost") else 0
+
+
 def parser() -> argparse.ArgumentParser:
     from bench.profiles import PROFILES, Mode
 
@@ -94,6 +103,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--backend", default="UCX")
     s.add_argument("--out", help="also write the table as JSON here")
     s.set_defaults(func=_nixl_bandwidth)
+
+    s = sub.add_parser("soak", help="mixed traffic with periodic replica kills; exit 1 if a request was lost")
+    s.add_argument("--config", default="configs/local-cpu-1p2d.yaml")
+    s.add_argument("--minutes", type=float, default=30)
+    s.add_argument("--workers", type=int, default=4, help="clients sending one request after another")
+    s.add_argument("--kill-every-s", type=float, default=300, help="SIGKILL a decode replica, then the prefill engine, ...")
+    s.add_argument("--out", help="report directory (default results/soak-<time>)")
+    s.set_defaults(func=_soak)
     return p
 
 

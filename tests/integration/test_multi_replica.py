@@ -5,6 +5,7 @@ a conversation goes to the replica holding it until its retention (short here) e
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
 import signal
@@ -14,8 +15,8 @@ from collections import Counter
 
 import pytest
 
-from app.procs import RAY_SESSION
 from bench.engine_metrics import delta, scrape
+from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
 from tests.integration.conftest import app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
@@ -164,40 +165,21 @@ def test_a_turn_after_retention_ended_is_served_in_full_and_correct(client, refe
     assert after[("conversation_prompt_tokens", "reused")] == before[("conversation_prompt_tokens", "reused")]
 
 
-def healthy_replicas(client, deployment: str, timeout_s: float = 60) -> dict[str, str]:
-    """Replicas of ``deployment`` Serve's controller reports healthy: replica id -> the id
-    of the Ray worker it runs in (from the replica's own start counter, which Ray may
-    export a few seconds after the controller's gauge)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        samples = scrape(client.metrics.url)
-        healthy = {
-            labels["replica"] for name, labels, value in samples
-            if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
-            and value == 1
-        }
-        workers = {
-            labels["replica"]: labels["WorkerId"] for name, labels, _ in samples
-            if name == "ray_serve_deployment_replica_starts_total" and labels.get("replica") in healthy
-        }
-        if (healthy and workers.keys() == healthy) or time.monotonic() > deadline:
-            return workers
-        time.sleep(1)
-
-
-def worker_pid(worker_id: str) -> int:
-    """The pid of a Ray worker: Ray names each worker's log files ``worker-<id>-<job>-<pid>``."""
-    logs = sorted(RAY_SESSION.glob(f"logs/worker-{worker_id}-*.out"))
-    assert logs, f"no log file of Ray worker {worker_id}"
-    return int(logs[0].stem.rsplit("-", 1)[1])
-
-
 def turns_on(client, replica: str, history: str) -> float:
     """Conversation turns one replica served with ``history`` (ours() sums over replicas)."""
     return sum(
         value for name, labels, value in scrape(client.metrics.url)
         if name == "ray_rendezvous_conversation_turns_total" and labels.get("replica") == replica and labels.get("history") == history
     )
+
+
+def decode_lost(client) -> Counter:
+    """The ingress's count of requests whose decode replica was lost, by when."""
+    lost = Counter()
+    for name, labels, value in scrape(client.metrics.url):
+        if name == "ray_rendezvous_decode_lost_total":
+            lost[labels["when"]] += value
+    return lost
 
 
 def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
@@ -215,14 +197,15 @@ def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
 
 
 @pytest.mark.slow
-def test_a_decode_replica_killed_mid_stream_ends_its_stream_cleanly_and_its_conversation_goes_on(client, reference):
+def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(client, reference):
     """SIGKILL the decode replica holding a conversation while it streams a turn: the stream
     ends with an error event (no hang, no cut connection); the conversation's next turn is
     served in full by the other replica (history: replica_gone) and is correct, the turn
-    after reuses history there; Serve replaces the killed replica and the app serves on."""
-    replicas = healthy_replicas(client, "Decode")
+    after reuses history there; Serve replaces the killed replica and the app serves on.
+    Then kill the new holder before a turn's answer: the ingress retries it elsewhere."""
+    replicas = healthy_replicas(client.metrics.url, "Decode")
     assert len(replicas) == 2, replicas
-    before = settled_ours(client)
+    before, lost_before = settled_ours(client), decode_lost(client)
     conversation = Conversation("orphaned")
     conversation.say(client, user_text(1, 30))
     served = wait_ours(client, lambda c: sum(c[("replica", r)] - before[("replica", r)] for r in replicas) >= 1)
@@ -247,9 +230,24 @@ def test_a_decode_replica_killed_mid_stream_ends_its_stream_cleanly_and_its_conv
         assert time.monotonic() < deadline, "turns 2 and 3 were not counted on the surviving replica as replica_gone, reused"
         time.sleep(1)
 
-    deadline = time.monotonic() + 600
-    while len(replacement := set(healthy_replicas(client, "Decode")) - {holder}) < 2:
-        assert time.monotonic() < deadline, f"Serve did not replace the killed decode replica: healthy {replacement}"
-        time.sleep(5)
+    replaced = wait_replaced(client.metrics.url, "Decode", gone={holder}, count=2)
     for case in (CASE_BY_NAME["completion-short"], CASE_BY_NAME["completion-long"]):
         assert_token_identical(client, reference, case)
+
+    # Now kill the conversation's new holder before turn 4's answer: nothing reached the
+    # client yet, so the ingress retries the request once, on Serve's replacement replica.
+    newcomer = next(iter(replaced - {survivor}))
+    gone = turns_on(client, newcomer, "replica_gone")
+    pid = worker_pid(healthy_replicas(client.metrics.url, "Decode")[survivor])
+    with cf.ThreadPoolExecutor(1) as pool:
+        turn = pool.submit(conversation.say, client, user_text(4, 8))
+        time.sleep(0.5)  # the turn is on its way through prefill on the survivor
+        os.kill(pid, signal.SIGKILL)
+        turn.result()
+    conversation.assert_identical(reference)
+    deadline = time.monotonic() + 60
+    while turns_on(client, newcomer, "replica_gone") != gone + 1:
+        assert time.monotonic() < deadline, "turn 4 was not counted as replica_gone on the remaining replica"
+        time.sleep(1)
+    wait_replaced(client.metrics.url, "Decode", gone={holder, survivor}, count=2)
+    assert decode_lost(client) - lost_before == Counter({"mid_stream": 1, "before_first_chunk": 1})

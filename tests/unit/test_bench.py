@@ -579,3 +579,38 @@ def test_run_arm_stops_a_conversation_at_an_error():
     results = run_arm(http, Tok(), "m", "no-reuse", conversations=2, turns=3, turn_tokens=5, output_len=4)
     assert [(r.conversation, r.turn, r.ok) for r in results] == [(0, 1, False), (1, 1, False)]
     assert "HTTP 400" in results[0].error
+
+
+# --------------------------------------------------------------------------- soak: how a request ended
+
+
+@pytest.mark.parametrize(
+    "status, body, stream, outcome",
+    [
+        (200, {"choices": [{"message": {"content": "hi"}}]}, False, "ok"),
+        (429, {"error": {"message": "busy"}}, False, "rejected"),
+        (503, {"error": {"message": "no replica"}}, False, "error"),
+        (502, "<html>bad gateway</html>", False, "lost"),  # not an OpenAI error: a client cannot act on it
+        (200, 'data: {"choices": []}\n\ndata: [DONE]\n\n', True, "ok"),
+        (200, 'data: {"choices": []}\n\ndata: {"error": {"code": 503}}\n\ndata: [DONE]\n\n', True, "error"),
+        (200, 'data: {"choices": []}\n\n', True, "lost"),  # cut: no [DONE]
+    ],
+)
+def test_soak_classifies_how_each_request_ended(status, body, stream, outcome):
+    import random
+
+    import httpx
+
+    from bench.soak import one_request
+
+    def handler(request):
+        content = body if isinstance(body, str) else json.dumps(body)
+        return httpx.Response(status, content=content.encode())
+
+    rng = random.Random(1 if stream else 0)
+    http = httpx.Client(transport=httpx.MockTransport(handler), base_url="http://app")
+    for _ in range(50):  # until the random kind is streamed (or not) as this case needs
+        kind, got, _ = one_request(http, rng, "m", {"id": "c", "messages": []})
+        if (kind == "completion-stream") == stream:
+            break
+    assert (kind == "completion-stream") == stream and got == outcome

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from app.args import AppArgs, IngressArgs
 from app.ingress import ending_with_an_error_event, make_app
@@ -266,3 +267,34 @@ def test_a_body_the_model_only_rejects_is_left_to_the_endpoint():
     ])
     assert rejected.status_code == 200 and rejected.json()["body"]["max_tokens"] == "ten"  # the stand-in accepts any dict
     assert valid.json()["body"] == {"model": "m", "prompt": "hi", "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "failures, outcome",
+    [
+        ([ActorDiedError()], "answered after 2 calls"),  # decode died before its first chunk: once more
+        ([ActorUnavailableError("gone", None)], "answered after 2 calls"),
+        ([ActorDiedError(), ActorDiedError()], "ActorDiedError after 2 calls"),  # only once
+        ([ValueError("bad")], "ValueError after 1 calls"),  # not a lost replica: not retried
+    ],
+)
+def test_a_request_whose_decode_replica_died_before_the_first_chunk_is_retried_once(monkeypatch, failures, outcome):
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    from app.ingress import Ingress
+
+    calls = []
+
+    async def upstream(self, body, call_method, raw_request=None):
+        calls.append(body)
+        if len(calls) <= len(failures):
+            raise failures[len(calls) - 1]
+        return JSONResponse({"ok": True})
+
+    monkeypatch.setattr(OpenAiIngress, "_process_llm_request", upstream)
+    try:
+        asyncio.run(Ingress.__new__(Ingress)._process_llm_request("body", "chat"))
+        got = "answered"
+    except Exception as exc:  # noqa: BLE001
+        got = type(exc).__name__
+    assert f"{got} after {len(calls)} calls" == outcome and set(calls) == {"body"}
