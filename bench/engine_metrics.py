@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -34,6 +34,15 @@ def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
         if m:
             samples.append((m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))))
     return samples
+
+
+def counted_by(url: str, name: str, label: str) -> Counter:
+    """Samples of the metric ``name`` summed by the value of one ``label`` (over replicas)."""
+    counts: Counter = Counter()
+    for sample, labels, value in scrape(url):
+        if sample == name:
+            counts[labels.get(label, "")] += value
+    return counts
 
 
 class RoleMetrics:

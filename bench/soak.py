@@ -16,11 +16,12 @@ Which rung served what: the ingress counts requests whose decode replica was los
 (``ray_rendezvous_decode_lost_total``; the ingress is never killed), and the app log counts
 prefill legs that fell back to decode (``handoff failed``), as replicas that die take their
 own counters with them. Memory: resident memory of every process of the run, and the
-engines' KV usage when idle, at start and at end.
+engines' KV usage after one short request, at start and at end.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -35,7 +36,7 @@ from typing import Any
 import httpx
 
 from app.procs import engine_processes, find_processes
-from bench.engine_metrics import RoleMetrics, scrape
+from bench.engine_metrics import RoleMetrics, counted_by
 from bench.faults import healthy_replicas, worker_pid
 from bench.sweep import log, running_app
 
@@ -125,7 +126,12 @@ def _rss_mib(run_id: str | None) -> float:
     return total_kib / 1024
 
 
-def _kv_usage(metrics: RoleMetrics) -> dict[str, float]:
+def _kv_usage(metrics: RoleMetrics, url: str, model: str) -> dict[str, float]:
+    """Each role's KV usage right after one short request: Ray exports an engine's gauges only
+    while the engine steps, so an idle engine reports none."""
+    httpx.post(f"{url}/v1/chat/completions", timeout=120,
+               json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+    time.sleep(12)  # Ray exports every few seconds
     snap = metrics.snapshot()
     return {role: values.get("kv_cache_usage_perc", float("nan")) for role, values in snap.items() if not role.startswith("replica:")}
 
@@ -168,7 +174,7 @@ def run_soak(
     report = SoakReport(config_path, minutes, workers, kill_every_s)
     with running_app(config_path, url, out_dir / "logs") as app:
         metrics = RoleMetrics(app.metrics_url())
-        report.rss_mib["start"], report.kv_usage["start"] = _rss_mib(app.run_id), _kv_usage(metrics)
+        report.rss_mib["start"], report.kv_usage["start"] = _rss_mib(app.run_id), _kv_usage(metrics, url, model)
         lost_before = _decode_lost(metrics.url)
         stop, lock = threading.Event(), threading.Lock()
 
@@ -176,7 +182,7 @@ def run_soak(
             rng = random.Random(seed * 1000 + index)
             conversation = {"id": f"soak-{index}-0", "messages": []}
             with httpx.Client(base_url=url, timeout=request_timeout_s) as http:
-                for n in range(10**9):
+                for n in itertools.count():
                     if stop.is_set():
                         return
                     if len(conversation["messages"]) >= 8:  # 4 turns, then a new conversation
@@ -208,7 +214,7 @@ def run_soak(
             t.join(timeout=request_timeout_s + 10)
         time.sleep(15)  # Ray exports metrics every few seconds; engines go idle
         report.decode_lost = {k: v - lost_before.get(k, 0) for k, v in _decode_lost(metrics.url).items()}
-        report.rss_mib["end"], report.kv_usage["end"] = _rss_mib(app.run_id), _kv_usage(metrics)
+        report.rss_mib["end"], report.kv_usage["end"] = _rss_mib(app.run_id), _kv_usage(metrics, url, model)
         report.prefill_fallbacks = app.log_path.read_text(errors="replace").count("handoff failed")
     (out_dir / "soak.json").write_text(json.dumps(report.to_json(), indent=2))
     print(format_report(report))
@@ -216,11 +222,7 @@ def run_soak(
 
 
 def _decode_lost(metrics_url: str) -> dict[str, float]:
-    lost: Counter = Counter()
-    for name, labels, value in scrape(metrics_url):
-        if name == "ray_rendezvous_decode_lost_total":
-            lost[labels["when"]] += value
-    return dict(lost)
+    return dict(counted_by(metrics_url, "ray_rendezvous_decode_lost_total", "when"))
 
 
 def format_report(r: SoakReport) -> str:
@@ -231,7 +233,7 @@ def format_report(r: SoakReport) -> str:
         lines.append(f"  {kind:<18} " + ", ".join(f"{o} {c.get(o, 0)}" for o in OUTCOMES))
     lines.append(f"rungs: prefill fell back to decode {r.prefill_fallbacks}x; decode replica lost {r.decode_lost}")
     lines.append(f"memory of the run (RSS): {r.rss_mib.get('start', 0):.0f} MiB at start, {r.rss_mib.get('end', 0):.0f} MiB at end")
-    lines.append(f"KV usage when idle: start {r.kv_usage.get('start')}, end {r.kv_usage.get('end')}")
+    lines.append(f"KV usage after one short request: start {r.kv_usage.get('start')}, end {r.kv_usage.get('end')}")
     for example in r.lost_examples:
         lines.append(f"  lost: {example}")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from bench.engine_metrics import delta, scrape
+from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
 from tests.integration.conftest import app_client, with_args
@@ -173,13 +173,9 @@ def turns_on(client, replica: str, history: str) -> float:
     )
 
 
-def decode_lost(client) -> Counter:
+def _decode_lost(client) -> Counter:
     """The ingress's count of requests whose decode replica was lost, by when."""
-    lost = Counter()
-    for name, labels, value in scrape(client.metrics.url):
-        if name == "ray_rendezvous_decode_lost_total":
-            lost[labels["when"]] += value
-    return lost
+    return counted_by(client.metrics.url, "ray_rendezvous_decode_lost_total", "when")
 
 
 def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
@@ -205,7 +201,7 @@ def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(c
     Then kill the new holder before a turn's answer: the ingress retries it elsewhere."""
     replicas = healthy_replicas(client.metrics.url, "Decode")
     assert len(replicas) == 2, replicas
-    before, lost_before = settled_ours(client), decode_lost(client)
+    before, lost_before = settled_ours(client), _decode_lost(client)
     conversation = Conversation("orphaned")
     conversation.say(client, user_text(1, 30))
     served = wait_ours(client, lambda c: sum(c[("replica", r)] - before[("replica", r)] for r in replicas) >= 1)
@@ -250,4 +246,4 @@ def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(c
         assert time.monotonic() < deadline, "turn 4 was not counted as replica_gone on the remaining replica"
         time.sleep(1)
     wait_replaced(client.metrics.url, "Decode", gone={holder, survivor}, count=2)
-    assert decode_lost(client) - lost_before == Counter({"mid_stream": 1, "before_first_chunk": 1})
+    assert _decode_lost(client) - lost_before == Counter({"mid_stream": 1, "before_first_chunk": 1})
