@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.exceptions import RayActorError
+from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from ray.serve.metrics import Counter
 from starlette.exceptions import HTTPException as StarletteHTTPException
