@@ -29,6 +29,11 @@ def pytest_collection_modifyitems(items):
 def no_engine_outlives_the_tests():
     assert not orphaned_engines(), f"orphaned vLLM engines before the tests: {orphaned_engines()} (make clean-procs)"
     yield
+    # An engine whose replica was killed gets SIGTERM (PR_SET_PDEATHSIG) and takes a few
+    # seconds to shut down, re-parented to init meanwhile: orphaned for good only after that.
+    deadline = time.monotonic() + 30
+    while orphaned_engines() and time.monotonic() < deadline:
+        time.sleep(1)
     assert not orphaned_engines(), f"vLLM engines outlived the tests: {orphaned_engines()}"
 
 

@@ -173,6 +173,14 @@ def turns_on(client, replica: str, history: str) -> float:
     )
 
 
+def wait_turns_on(client, replica: str, expected: dict[str, float], timeout_s: float = 60) -> None:
+    """Wait until ``replica`` counted ``expected`` turns by history (Ray exports every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := {h: turns_on(client, replica, h) for h in expected}) != expected:
+        assert time.monotonic() < deadline, f"turns counted on {replica}: {got}, expected {expected}"
+        time.sleep(1)
+
+
 def _decode_lost(client) -> Counter:
     """The ingress's count of requests whose decode replica was lost, by when."""
     return counted_by(client.metrics.url, "ray_rendezvous_decode_lost_total", "when")
@@ -221,10 +229,7 @@ def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(c
     reused = turns_on(client, survivor, "reused")
     conversation.say(client, user_text(3, 8))
     conversation.assert_identical(reference)
-    deadline = time.monotonic() + 60
-    while (turns_on(client, survivor, "replica_gone"), turns_on(client, survivor, "reused")) != (gone + 1, reused + 1):
-        assert time.monotonic() < deadline, "turns 2 and 3 were not counted on the surviving replica as replica_gone, reused"
-        time.sleep(1)
+    wait_turns_on(client, survivor, {"replica_gone": gone + 1, "reused": reused + 1})
 
     replaced = wait_replaced(client.metrics.url, "Decode", gone={holder}, count=2)
     for case in (CASE_BY_NAME["completion-short"], CASE_BY_NAME["completion-long"]):
@@ -234,16 +239,13 @@ def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(c
     # client yet, so the ingress retries the request once, on Serve's replacement replica.
     newcomer = next(iter(replaced - {survivor}))
     gone = turns_on(client, newcomer, "replica_gone")
-    pid = worker_pid(healthy_replicas(client.metrics.url, "Decode")[survivor])
+    pid = worker_pid(replicas[survivor])
     with cf.ThreadPoolExecutor(1) as pool:
         turn = pool.submit(conversation.say, client, user_text(4, 8))
         time.sleep(0.5)  # the turn is on its way through prefill on the survivor
         os.kill(pid, signal.SIGKILL)
         turn.result()
     conversation.assert_identical(reference)
-    deadline = time.monotonic() + 60
-    while turns_on(client, newcomer, "replica_gone") != gone + 1:
-        assert time.monotonic() < deadline, "turn 4 was not counted as replica_gone on the remaining replica"
-        time.sleep(1)
+    wait_turns_on(client, newcomer, {"replica_gone": gone + 1})
     wait_replaced(client.metrics.url, "Decode", gone={holder, survivor}, count=2)
     assert _decode_lost(client) - lost_before == Counter({"mid_stream": 1, "before_first_chunk": 1})
