@@ -164,9 +164,26 @@ class IngressArgs(_Strict):
         return self
 
 
+class DecodeRouter(str, Enum):
+    LOAD_AWARE = "load_aware"
+    ROUND_ROBIN = "round_robin"
+
+
+def _prefill_policy() -> RoutingPolicy:
+    return RoutingPolicy(filters=["healthy"], scorers={"least_tokens": 1.0, "least_ongoing": 0.25})
+
+
 class RoutingArgs(_Strict):
     decode_policy: RoutingPolicy = Field(
         default_factory=RoutingPolicy, description="How the decode replica is picked on arrival (app/routing.py)."
+    )
+    decode_router: DecodeRouter = Field(
+        DecodeRouter.LOAD_AWARE, description="load_aware: decode_policy's pipeline (app/decode_router.py). "
+        "round_robin: each request to the next replica, blind to load and conversations: the baseline of `bench skew`."
+    )
+    prefill_policy: RoutingPolicy = Field(
+        default_factory=_prefill_policy, description="How a prefill replica is picked for a prefill leg "
+        "(app/prefill_router.py): by default the fewest prompt tokens outstanding, requests as a tie-breaker."
     )
     local_prefill_below_tokens: int = Field(
         0, ge=0, description="Prompts whose part to compute is shorter than this are prefilled by the decode engine "
@@ -174,6 +191,12 @@ class RoutingArgs(_Strict):
         "history the decode replica holds. 0 disaggregates every request."
     )
     stats_period_s: float = Field(1.0, gt=0, description="How often each decode replica publishes its load to the router.")
+    pull_late_binding: bool = Field(
+        True, description="Pull mode: the decode replica of a disaggregated request is picked after its prefill finished, "
+        "by the load at that moment (the replica the request reached first only runs the prefill leg). Conversation "
+        "turns stay bound on arrival to the replica holding their history. Off with a single decode replica (nothing to "
+        "pick). false: decode is picked on arrival, as in push."
+    )
 
 
 class HandoffArgs(_Strict):
@@ -294,6 +317,11 @@ class AppArgs(_Strict):
         return self.conversations.enabled and self.conversations.pull_history is PullHistory.UPSTREAM
 
     @property
+    def late_binding(self) -> bool:
+        """Pull: decode is picked after prefill; with one decode replica there is nothing to pick."""
+        return self.mode is TransferMode.PULL and self.routing.pull_late_binding and self.decode.max_replicas > 1
+
+    @property
     def isolate_uncached_requests(self) -> bool:
         """Conversations turn decode's prefix cache on where the config has it off: every
         other request then gets its own cache salt, and behaves as configured (no cache hits)."""
@@ -345,14 +373,15 @@ def reference_markdown() -> str:
     """The config reference table for README.md, generated from the models."""
     rows = ["| key | default | description |", "| --- | --- | --- |"]
 
-    def walk(model: type[BaseModel], prefix: str) -> None:
+    def walk(model: type[BaseModel], prefix: str, defaults: BaseModel | None = None) -> None:
         for name, field in model.model_fields.items():
             section = _section_model(field.annotation)
-            default = field.get_default(call_default_factory=True)
+            # A section's own default (e.g. prefill_policy) wins over its model's field defaults.
+            default = getattr(defaults, name) if defaults is not None else field.get_default(call_default_factory=True)
             if section is not None:
                 if default is None:  # an optional section: say what leaving it out means
                     rows.append(f"| `{prefix}{name}` | `None` | {field.description or ''} |")
-                walk(section, f"{prefix}{name}.")
+                walk(section, f"{prefix}{name}.", default)
                 continue
             if isinstance(default, Enum):
                 default = default.value

@@ -1,7 +1,9 @@
 """``serve run`` entry point: ``import_path: app.builder:build_app``.
 
 Graph: ingress (OpenAI HTTP) → decode deployment (picked on arrival by Serve's router,
-orchestrates) → prefill deployment (bound by the decode replica before dispatch).
+orchestrates) → prefill deployment (bound by the decode replica before dispatch). In pull
+mode with late binding the ingress sends a prefilled request through the decode router
+once more (``app.late_binding``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         bind_kwargs={
             "prefill_server": prefill,
             "mode": app_args.mode.value,
+            "late_binding": app_args.late_binding,
             "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens,
             "prefill_timeout_s": app_args.handoff.prefill_timeout_s,
             "conversations": app_args.conversations if app_args.conversations.enabled else None,

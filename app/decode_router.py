@@ -25,15 +25,17 @@ best when the pick is at ``max_ongoing_requests``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.metrics import Counter as MetricCounter
 
 from app.conversations import CONVERSATION_HEADER
-from app.routing import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from app.routing import Decision, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
 
@@ -42,6 +44,29 @@ STATS_KEY = "rendezvous"
 # the replica's published stats say so too; a stale entry only costs a missed reuse.
 _LOCAL_AFFINITY_S = 600.0
 _LOCAL_AFFINITY_MAX = 100_000
+
+
+@functools.cache
+def _picks() -> MetricCounter:
+    return MetricCounter(
+        "rendezvous_routing_picks",
+        description="Replicas picked by our request routers, by role (decode, prefill) and why: conversation "
+        "(the replica holding the request's conversation), load (the best load score), all_filtered (every replica "
+        "was filtered out, e.g. KV full everywhere: picked by load among all), round_robin.",
+        tag_keys=("role", "reason"),
+    )
+
+
+def count_pick(role: str, decision: Decision, conversation_holder: bool = False) -> None:
+    reason = "all_filtered" if decision.fallback else "conversation" if conversation_holder else "load"
+    _picks().inc(tags={"role": role, "reason": reason})
+
+
+def ranked(decision: Decision, by_id: dict) -> list[list]:
+    """The pick first, then the others by score: Serve falls through to the next rank
+    when the pick is at ``max_ongoing_requests``."""
+    rest = sorted((rid for rid in decision.totals if rid != decision.replica_id), key=lambda rid: -decision.totals[rid])
+    return [[by_id[decision.replica_id]]] + ([[by_id[rid] for rid in rest]] if rest else [])
 
 
 def conversation_of(pending_request) -> str | None:
@@ -58,10 +83,11 @@ def snapshot_from_stats(
     now: float,
     sent_here: int = 0,
     holds_conversation: bool = False,
+    tokens_sent_here: int = 0,
 ) -> ReplicaSnapshot:
     ours = (stats or {}).get(STATS_KEY) or {}
     ongoing = max(sent_here, probed_queue_len or 0, int(ours.get("ongoing", 0)))
-    tokens = int(ours.get("tokens_in_flight", 0))
+    tokens = max(tokens_sent_here, int(ours.get("tokens_in_flight", 0)))
     capacity = ours.get("kv_capacity_tokens")
     recorded = ours.get("recorded_at")
     return ReplicaSnapshot(
@@ -107,6 +133,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
             for rid, r in by_id.items()
         ]
         decision = pick(self._policy, RouteRequest(conversation_id=conversation), snapshots)
+        count_pick("decode", decision, conversation_holder=decision.replica_id in holders)
         if conversation:
             self._picked[conversation] = (decision.replica_id, now)
             self._picked.move_to_end(conversation)
@@ -117,11 +144,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
                 "decode pick %s scores=%s filtered=%s fallback=%s",
                 decision.replica_id, decision.scores, decision.filtered_out, decision.fallback,
             )
-        rest = sorted((rid for rid in decision.totals if rid != decision.replica_id), key=lambda rid: -decision.totals[rid])
-        ranks = [[by_id[decision.replica_id]]]
-        if rest:
-            ranks.append([by_id[rid] for rid in rest])
-        return ranks
+        return ranked(decision, by_id)
 
     def _holders(self, conversation: str, by_id: dict, now: float) -> set[str]:
         holders = set()
@@ -138,3 +161,21 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
         if picked is not None and now - picked[1] < _LOCAL_AFFINITY_S and picked[0] in by_id:
             holders.add(picked[0])
         return holders
+
+
+class RoundRobinDecodeRouter(FIFOMixin, RequestRouter):
+    """The baseline ``bench skew`` compares against: each request to the next replica in
+    turn, blind to load and to conversations (``routing.decode_router: round_robin``)."""
+
+    def initialize_state(self, **_: Any) -> None:
+        self._turn = 0
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        ordered = sorted(candidate_replicas, key=lambda r: str(r.replica_id))
+        first = self._turn % len(ordered)
+        self._turn += 1
+        _picks().inc(tags={"role": "decode", "reason": "round_robin"})
+        rest = ordered[first + 1:] + ordered[:first]
+        return [[ordered[first]]] + ([rest] if rest else [])

@@ -2,7 +2,8 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
-a request size limit (413), one retry of a request whose decode replica died before its
+a request size limit (413), late binding of the decode replica in pull mode
+(``app.late_binding``), one retry of a request whose decode replica died before its
 first chunk, an error event (not a cut connection) ending a stream that failed after it
 started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
 authentication (401) on everything but ``/health``.
@@ -31,6 +32,7 @@ from vllm.exceptions import VLLMClientError
 
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
+from app.late_binding import Prefilled
 
 logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
 
@@ -221,6 +223,24 @@ async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: s
 class Ingress(OpenAiIngress):
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    async def _get_response(self, *, body, call_method: str, raw_request: Request | None = None):
+        """Upstream's call of the decode deployment, plus late binding (pull): when the
+        replica that took the request answers that it had it prefilled, the request goes
+        through the decode router once more, which picks by the load at that moment."""
+        if getattr(body, "kv_transfer_params", None) is not None:
+            body = body.model_copy(update={"kv_transfer_params": None})  # engine addressing is ours alone
+        prefilled = None
+        async for response in super()._get_response(body=body, call_method=call_method, raw_request=raw_request):
+            if isinstance(response, Prefilled):
+                prefilled = response  # the entry replica's answer ends here: it is no longer counted busy
+                continue
+            yield response
+        if prefilled is not None:
+            async for response in super()._get_response(
+                body=prefilled.attach_to(body), call_method=call_method, raw_request=raw_request
+            ):
+                yield response
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
         try:

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.args import Accelerator, AppArgs
+from app.args import Accelerator, AppArgs, DecodeRouter
 from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, KV_TIMEOUT_KEY, RECOMPUTE_THRESHOLD_KEY, TransferMode
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 
-# Serve request router of the decode deployment (imports Ray, so named, not imported).
-DECODE_ROUTER = "app.decode_router.LoadAwareDecodeRouter"
+# Serve request routers (they import Ray, so named, not imported).
+DECODE_ROUTERS = {
+    DecodeRouter.LOAD_AWARE: "app.decode_router.LoadAwareDecodeRouter",
+    DecodeRouter.ROUND_ROBIN: "app.decode_router.RoundRobinDecodeRouter",
+}
+PREFILL_ROUTER = "app.prefill_router.LoadAwarePrefillRouter"
 
 CPU_DEFAULT_ENV = {
     # vLLM on CPU otherwise reserves 92 % of *system* RAM for KV, so a second engine on
@@ -99,12 +103,16 @@ def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
         # The placement bundle already holds the replica's CPU share.
         "ray_actor_options": {"num_cpus": 0},
     }
-    if role is Role.DECODE:
-        config["request_router_config"] = {
-            "request_router_class": DECODE_ROUTER,
-            "request_router_kwargs": {"policy": args.routing.decode_policy.model_dump()},
-            "request_routing_stats_period_s": args.routing.stats_period_s,
-        }
+    routing = args.routing
+    router, policy = (
+        (DECODE_ROUTERS[routing.decode_router], routing.decode_policy) if role is Role.DECODE
+        else (PREFILL_ROUTER, routing.prefill_policy)
+    )
+    config["request_router_config"] = {
+        "request_router_class": router,
+        "request_router_kwargs": {"policy": policy.model_dump()},
+        "request_routing_stats_period_s": routing.stats_period_s,
+    }
     return config
 
 

@@ -97,7 +97,8 @@ def _fresh(r: ReplicaSnapshot, policy: "RoutingPolicy") -> bool:
 
 
 class RoutingPolicy(BaseModel):
-    """How the decode replica is picked when a request arrives."""
+    """How a replica is picked: the decode replica when a request arrives (or, in pull mode with late binding,
+    when its prefill is done), the prefill replica for each prefill leg."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

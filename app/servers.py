@@ -10,6 +10,9 @@ and sends both legs concurrently. ``DecodeServer`` adds:
 * conditional disaggregation — a prompt whose part to compute (for a conversation turn:
   beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
   is prefilled by the decode engine itself: no prefill hop, no transfer;
+* late binding in pull mode — a disaggregated request without a conversation is only
+  prefilled by the replica it reached first; the ingress then has it decoded where the
+  load is lowest when prefill is done (``app.late_binding``);
 * a handoff that cannot hang — the prefill leg has ``prefill_timeout_s``; if it times out
   or fails before decode produced anything, decode prefills the prompt itself
   (``fallback``) instead of waiting for KV that will never come, or failing the request;
@@ -28,9 +31,11 @@ import asyncio
 import contextlib
 import logging
 import time
+import types
 from dataclasses import dataclass
 from typing import Any
 
+from ray import serve
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
@@ -39,6 +44,8 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from app.args import PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
 from app.decode_router import STATS_KEY
+from app.late_binding import Prefilled
+from app.prefill_router import expect_prefill
 from connector.params import (
     KEEP_HISTORY_KEY,
     REUSE_KEY,
@@ -62,7 +69,36 @@ _PUBLISHED_CONVERSATIONS = 2000
 
 
 class PrefillServer(PDPrefillServer):
-    pass
+    """Ray's prefill server, publishing its outstanding prefill work for the prefill
+    router (``app.prefill_router``): the prompt tokens of the legs in flight here."""
+
+    async def __init__(self, llm_config, **kwargs):
+        await super().__init__(llm_config, **kwargs)
+        self._tokenizer = _load_tokenizer(llm_config)
+        self._ongoing = 0
+        self._tokens_in_flight = 0
+
+    async def chat(self, request, raw_request_info=None):
+        return self._counted(request, await super().chat(request, raw_request_info))
+
+    async def completions(self, request, raw_request_info=None):
+        return self._counted(request, await super().completions(request, raw_request_info))
+
+    async def _counted(self, request, chunks):
+        tokens = len(prompt_token_ids(self._tokenizer, request) or ())
+        self._ongoing += 1
+        self._tokens_in_flight += tokens
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            self._ongoing -= 1
+            self._tokens_in_flight -= tokens
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = await super().record_routing_stats() or {}
+        stats[STATS_KEY] = {"ongoing": self._ongoing, "tokens_in_flight": self._tokens_in_flight, "recorded_at": time.time()}
+        return stats
 
 
 class HandoffFailed(Exception):
@@ -71,9 +107,13 @@ class HandoffFailed(Exception):
 
 @dataclass
 class _Route:
-    """How one request was served: ``local``, ``remote`` or ``fallback`` prefill."""
+    """How one request was served: ``local``, ``remote`` or ``fallback`` prefill, or
+    ``handed_off``: prefilled here and decoded on the replica the ingress picked next."""
 
     prefill: str
+
+
+HANDED_OFF = "handed_off"
 
 
 @dataclass
@@ -92,6 +132,7 @@ class DecodeServer(PDDecodeServer):
         *,
         prefill_server,
         mode: str = "push",
+        late_binding: bool = False,
         local_prefill_below_tokens: int = 0,
         prefill_timeout_s: float = 30.0,
         conversations=None,
@@ -100,6 +141,8 @@ class DecodeServer(PDDecodeServer):
     ):
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
         self._mode = mode
+        self._late_binding = late_binding
+        self._replica_id = serve.get_replica_context().replica_id.unique_id
         self._local_below = local_prefill_below_tokens
         self._prefill_timeout_s = prefill_timeout_s
         self._tokenizer = _load_tokenizer(llm_config)
@@ -140,8 +183,11 @@ class DecodeServer(PDDecodeServer):
         return stats
 
     async def _serve(self, request, raw_request_info, endpoint: str):
+        prefilled = Prefilled.attached_to(request)  # late binding: prefilled by another replica (only the ingress attaches it)
         # Client-sent kv_transfer_params never reach an engine: they name peers to connect to.
-        update: dict[str, Any] = {"request_id": new_transfer_request_id(), "kv_transfer_params": None}
+        update: dict[str, Any] = {
+            "request_id": prefilled.request_id if prefilled else new_transfer_request_id(), "kv_transfer_params": None,
+        }
         turn = self._begin_turn(request, raw_request_info)
         if turn is not None:
             update["cache_salt"] = _salt(request, turn.cache_salt)
@@ -160,13 +206,18 @@ class DecodeServer(PDDecodeServer):
                 history = self._read_back(turn, request.request_id, prompt_ids or [])
         # What would have to be computed: for a conversation turn, beyond the history held here.
         to_compute = prompt_tokens - (turn.held_tokens if turn is not None and turn.reuse else 0)
-        route = _Route("local" if to_compute < self._local_below else "remote")
+        route = _Route("local" if to_compute < self._local_below and prefilled is None else "remote")
         logger.debug("request %s: %d prompt tokens, %s prefill", request.request_id, prompt_tokens, route.prefill)
-        if route.prefill == "local":
+        if prefilled is not None:
+            logger.debug("request %s: prefilled via replica %s, decoded here", request.request_id, prefilled.entry_replica)
+            gen = self._pull_decode(request, raw_request_info, endpoint, prefilled.kv_transfer_params)
+        elif route.prefill == "local":
             gen = await getattr(LLMServer, endpoint)(self, request, raw_request_info)
         else:
+            expect_prefill(request.request_id, prompt_tokens)  # for the prefill router, in this process
             keep = turn is not None and self._upstream_history and not getattr(request, "stream", False)
-            gen = self._remote_or_fallback(request, raw_request_info, endpoint, route, history, keep)
+            hand_off = self._late_binding and turn is None
+            gen = self._remote_or_fallback(request, raw_request_info, endpoint, route, history, keep, hand_off)
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost
@@ -181,7 +232,10 @@ class DecodeServer(PDDecodeServer):
             self._ongoing -= 1
             self._tokens_in_flight -= cost
             self._metrics.load(self._ongoing, self._tokens_in_flight)
-            self._metrics.finished(route.prefill, getattr(request, "stream", False), first, time.monotonic() - started)
+            if route.prefill != HANDED_OFF:  # the replica that decodes it counts it
+                self._metrics.finished(route.prefill, getattr(request, "stream", False), first, time.monotonic() - started)
+                moved = prefilled is not None and prefilled.entry_replica != self._replica_id
+                self._metrics.bound("late" if prefilled else "arrival", moved)
             if turn is not None:
                 self._end_turn(turn, route, request.request_id, prompt_ids or [])
 
@@ -236,12 +290,14 @@ class DecodeServer(PDDecodeServer):
         }
         return pull_history_params(kept.params, tokens, block_size) if reason == "reused" else None
 
-    async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, route: _Route, history=None, keep=False):
+    async def _remote_or_fallback(
+        self, request, raw_request_info, endpoint: str, route: _Route, history=None, keep=False, hand_off=False
+    ):
         """Disaggregated prefill; if the handoff fails before anything reached the client,
         the decode engine prefills the prompt itself (a fresh engine request id: the
         aborted one may still be finishing)."""
         if self._mode == "pull":
-            remote = self._pull_handoff(request, raw_request_info, endpoint, history, keep)
+            remote = self._pull_handoff(request, raw_request_info, endpoint, history, keep, hand_off)
         else:
             remote = self._pd_handle_request(request, raw_request_info)
         try:
@@ -252,6 +308,8 @@ class DecodeServer(PDDecodeServer):
         except Exception as exc:  # the handoff's own failures and a dead prefill replica alike
             failure = str(exc) or type(exc).__name__
         if failure is None:
+            if isinstance(first, Prefilled):
+                route.prefill = HANDED_OFF
             yield first
             async for chunk in remote:
                 yield chunk
@@ -263,26 +321,39 @@ class DecodeServer(PDDecodeServer):
         async for chunk in await getattr(LLMServer, endpoint)(self, local, raw_request_info):
             yield chunk
 
-    async def _pull_handoff(self, request, raw_request_info, endpoint: str, history=None, keep=False):
-        """Pull: prefill first (bounded by the deadline), then decode READs its KV. With
-        ``history``, prefill first READs that much of a conversation's history back from
-        decode; with ``keep``, decode keeps this turn's blocks for the next turn."""
+    async def _pull_handoff(self, request, raw_request_info, endpoint: str, history=None, keep=False, hand_off=False):
+        """Pull: prefill first (bounded by the deadline), then decode READs its KV: here,
+        or with ``hand_off`` (late binding) on the replica the ingress picks next, to which
+        this one answers with a :class:`Prefilled`. With ``history``, prefill first READs
+        that much of a conversation's history back from decode; with ``keep``, decode
+        keeps this turn's blocks for the next turn."""
         backend = self._get_connector_backend()
         prefill_request = backend.prepare_prefill_request(request=request, peer=None)
         if history is not None:
             prefill_request.kv_transfer_params = history
         prefill = getattr(self._prefill_handle, endpoint).remote(prefill_request, raw_request_info)
         try:
-            chunk = await asyncio.wait_for(prefill.__anext__(), self._prefill_timeout_s)
+            answer = await asyncio.wait_for(prefill.__anext__(), self._prefill_timeout_s)
         except TimeoutError:
             prefill.cancel()  # prefill holds no decode resources in pull: dropping it is clean
             raise HandoffFailed(f"prefill did not answer within {self._prefill_timeout_s:g} s") from None
-        if isinstance(chunk, ErrorResponse):
-            yield chunk
+        if isinstance(answer, ErrorResponse):
+            yield answer
             return
         async for _ in prefill:  # one token: let the response complete
             pass
-        decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=chunk)
+        if hand_off:
+            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id)
+            return
+        async for chunk in self._pull_decode(request, raw_request_info, endpoint, answer.kv_transfer_params, keep):
+            yield chunk
+
+    async def _pull_decode(self, request, raw_request_info, endpoint: str, prefill_params: dict, keep=False):
+        """Pull: the decode leg, READing the KV that prefill's answer (``prefill_params``) points to."""
+        prefill_response = types.SimpleNamespace(kv_transfer_params=prefill_params)
+        decode_request = self._get_connector_backend().prepare_decode_request(
+            request=request, peer=None, prefill_response=prefill_response
+        )
         if keep:
             decode_request.kv_transfer_params = {**decode_request.kv_transfer_params, KEEP_HISTORY_KEY: True}
         async for chunk in await getattr(LLMServer, endpoint)(self, decode_request, raw_request_info):
@@ -348,24 +419,7 @@ class DecodeServer(PDDecodeServer):
         self._reuse_reports[request_id] = prefill.result()[1]
 
     def _prompt_token_ids(self, request) -> list[int] | None:
-        """Prompt token ids of ``request`` as this replica renders them; None if unknown."""
-        if self._tokenizer is None:
-            return None
-        try:
-            if hasattr(request, "messages"):
-                # return_dict=False: transformers 5 returns a BatchEncoding (2 keys) by default.
-                return list(self._tokenizer.apply_chat_template(
-                    [_plain_message(m) for m in request.messages], add_generation_prompt=True, tokenize=True,
-                    return_dict=False,
-                ))
-            prompt = request.prompt
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return list(prompt)
-            if isinstance(prompt, str):
-                return self._tokenizer.encode(prompt, add_special_tokens=False)
-        except Exception:  # an unusual prompt shape: the engine will judge it
-            logger.debug("could not tokenize the prompt", exc_info=True)
-        return None
+        return prompt_token_ids(self._tokenizer, request)
 
     def _vllm_config(self):
         return getattr(getattr(self.engine, "_engine_client", None), "vllm_config", None)
@@ -422,6 +476,13 @@ class DecodeMetrics:
             tag_keys=("mode",),
         )
 
+        self._bindings = Counter(
+            "rendezvous_decode_bindings",
+            description="Requests decoded, by when their decode replica was picked: arrival, or late (pull with late "
+            "binding: after prefill finished), and whether the late pick moved the request off the replica that ran "
+            "its prefill leg.",
+            tag_keys=("mode", "binding", "moved"),
+        )
         self._turns = Counter(
             "rendezvous_conversation_turns",
             description="Conversation turns by what happened to their history: reused (prefill read it back from "
@@ -456,6 +517,9 @@ class DecodeMetrics:
 
     def retained(self, conversations: int) -> None:
         self._retained.set(conversations, tags=self._tags)
+
+    def bound(self, binding: str, moved: bool) -> None:
+        self._bindings.inc(tags={**self._tags, "binding": binding, "moved": str(moved).lower()})
 
     def load(self, ongoing: int, tokens: int) -> None:
         self._ongoing.set(ongoing, tags=self._tags)
@@ -500,6 +564,27 @@ def _prefill_failure(prefill: asyncio.Task) -> str | None:
         return f"prefill failed: {exc or type(exc).__name__}"
     if isinstance(result, ErrorResponse):
         return f"prefill returned {result.error.code}: {result.error.message}"
+    return None
+
+
+def prompt_token_ids(tokenizer, request) -> list[int] | None:
+    """Prompt token ids of ``request`` as this replica renders them; None if unknown."""
+    if tokenizer is None:
+        return None
+    try:
+        if hasattr(request, "messages"):
+            # return_dict=False: transformers 5 returns a BatchEncoding (2 keys) by default.
+            return list(tokenizer.apply_chat_template(
+                [_plain_message(m) for m in request.messages], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            ))
+        prompt = request.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt, add_special_tokens=False)
+    except Exception:  # an unusual prompt shape: the engine will judge it
+        logger.debug("could not tokenize the prompt", exc_info=True)
     return None
 
 

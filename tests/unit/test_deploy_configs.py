@@ -311,3 +311,20 @@ def test_trainium_config():
         assert config["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
         bundles = config["placement_group_config"]["bundles"]
         assert sum(b["neuron_cores"] for b in bundles) == args.engine_kwargs_for(role)["tensor_parallel_size"] == 64
+
+
+@pytest.mark.parametrize(
+    "mode, late, decode, expected",
+    [
+        ("pull", True, {"replicas": 2}, True),
+        ("pull", True, {"autoscaling": {"max_replicas": 4}}, True),
+        ("pull", True, {"replicas": 1}, False),  # nothing to pick from
+        ("pull", False, {"replicas": 2}, False),
+        ("push", True, {"replicas": 2}, False),
+    ],
+)
+def test_only_pull_mode_with_decode_replicas_to_pick_from_binds_late(mode, late, decode, expected, monkeypatch):
+    args = AppArgs.parse({"mode": mode, "routing": {"pull_late_binding": late}, "decode": decode})
+    deployments = build_serve_app(args, monkeypatch)
+    (decode,) = [d for name, d in deployments.items() if name.startswith("Decode:")]
+    assert decode._replica_config.init_kwargs["late_binding"] is expected

@@ -5,13 +5,15 @@ integration tests stall a real prefill engine."""
 from __future__ import annotations
 
 import asyncio
+import types
 
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo
 
-from app.servers import DecodeServer, HandoffFailed, _Route
+from app.late_binding import Prefilled
+from app.servers import HANDED_OFF, DecodeServer, HandoffFailed, _Route
 
 
 def _error(code: int) -> ErrorResponse:
@@ -169,3 +171,79 @@ def test_the_engine_deadline_must_outlast_the_orchestrators():
 
     with pytest.raises(ValueError, match="must exceed prefill_timeout_s"):
         AppArgs.parse({"handoff": {"prefill_timeout_s": 60, "kv_timeout_s": 60}})
+
+
+class _PrefillStream:
+    """A pull-mode prefill response: one answer carrying where its KV is."""
+
+    def __init__(self, params):
+        self.params, self.cancelled = params, False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self.params is None:
+            raise StopAsyncIteration
+        answer, self.params = types.SimpleNamespace(kv_transfer_params=self.params), None
+        return answer
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def _pull_server(monkeypatch, *, late_binding: bool):
+    from connector.ray_backend import NixlPullBackend
+
+    server = _server(monkeypatch, timeout_s=5)
+    server._mode, server._late_binding, server._replica_id = "pull", late_binding, "entry-1"
+    server._kept_params = {}
+    server._get_connector_backend = lambda: NixlPullBackend.__new__(NixlPullBackend)
+    handles = server.prefill_calls = []
+
+    def call(request, raw=None):
+        handles.append(request)
+        return _PrefillStream({"remote_block_ids": [1, 2], "remote_engine_id": "p0"})
+
+    server._prefill_handle = types.SimpleNamespace(completions=types.SimpleNamespace(remote=call))
+    return server
+
+
+def test_late_binding_prefills_here_and_hands_the_decode_leg_back(monkeypatch):
+    server = _pull_server(monkeypatch, late_binding=True)
+    route = _Route("remote")
+    request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
+    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route, hand_off=True))
+    assert error is None and route.prefill == HANDED_OFF
+    assert chunks == [Prefilled("rdv-1", {"remote_block_ids": [1, 2], "remote_engine_id": "p0"}, "entry-1")]
+    assert server.decode_closed == [], "no decode leg runs on the entry replica"
+    assert server.prefill_calls[0].kv_transfer_params["do_remote_decode"] is True
+
+
+def test_without_late_binding_the_same_replica_decodes_what_it_had_prefilled(monkeypatch):
+    server = _pull_server(monkeypatch, late_binding=False)
+    route = _Route("remote")
+    request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
+    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route))
+    assert (chunks, error, route.prefill) == (["d1", "d2"], None, "remote")
+    assert server.decode_closed == ["rdv-1"]
+
+
+def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefill_id(monkeypatch):
+    from tests.unit.test_seams import _decode_server, _drain
+
+    server = _decode_server()
+    server._replica_id, server._late_binding = "other-2", True
+    bound, decoded = [], []
+    server._metrics.bound = lambda binding, moved: bound.append((binding, moved))
+
+    async def pull_decode(request, raw, endpoint, params, keep=False):
+        decoded.append((request.request_id, request.kv_transfer_params, params))
+        yield "late-chunk"
+
+    server._pull_decode = pull_decode
+    prefilled = Prefilled("rdv-7", {"remote_block_ids": [3]}, "entry-1")
+    chunks = _drain(server, "completions", prefilled.attach_to(CompletionRequest(model="m", prompt="x" * 50)))
+    assert chunks == ["late-chunk"] and server.paths == ["remote"]
+    assert decoded == [("rdv-7", None, {"remote_block_ids": [3]})]
+    assert bound == [("late", True)]

@@ -298,3 +298,31 @@ def test_a_request_whose_decode_replica_died_before_the_first_chunk_is_retried_o
     except Exception as exc:  # noqa: BLE001
         got = type(exc).__name__
     assert f"{got} after {len(calls)} calls" == outcome and set(calls) == {"body"}
+
+
+def test_a_prefilled_answer_sends_the_request_through_the_decode_router_once_more(monkeypatch):
+    """Late binding (pull): the entry replica's Prefilled is not the client's; the
+    request goes out again with it attached, and a client's kv_transfer_params never do."""
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    from app.ingress import Ingress
+    from app.late_binding import Prefilled
+
+    prefilled = Prefilled("rdv-1", {"remote_block_ids": [1]}, "entry")
+    sent = []
+
+    async def upstream(self, *, body, call_method, raw_request=None):
+        sent.append(body)
+        for chunk in ([prefilled] if len(sent) == 1 else ["a", "b"]):
+            yield chunk
+
+    monkeypatch.setattr(OpenAiIngress, "_get_response", upstream)
+    client_body = CompletionRequest(model="m", prompt="hi", kv_transfer_params={"remote_host": "evil"})
+
+    async def go():
+        return [c async for c in Ingress.__new__(Ingress)._get_response(body=client_body, call_method="completions")]
+
+    assert asyncio.run(go()) == ["a", "b"]
+    assert [Prefilled.attached_to(b) for b in sent] == [None, prefilled]
+    assert sent[0].kv_transfer_params is None

@@ -111,3 +111,29 @@ def test_router_counts_what_it_sent_until_each_request_completes():
     router.on_request_completed("b", "req-2")
     router.on_request_completed("b", "req-3")  # a completion Serve reports twice never goes negative
     assert dict(router._sent_here) == {"a": 1}
+
+
+def test_round_robin_takes_replicas_in_turn_whatever_their_load():
+    import asyncio
+    from types import SimpleNamespace
+
+    from app.decode_router import RoundRobinDecodeRouter
+
+    router = RoundRobinDecodeRouter.__new__(RoundRobinDecodeRouter)
+    router.initialize_state(policy={"ignored": True})
+    replicas = [SimpleNamespace(replica_id=name) for name in ("b", "a", "c")]
+    firsts = [asyncio.run(router.choose_replicas(replicas))[0][0].replica_id for _ in range(4)]
+    assert firsts == ["a", "b", "c", "a"]
+    ranks = asyncio.run(router.choose_replicas(replicas))
+    assert [r.replica_id for r in ranks[0] + ranks[1]] == ["b", "c", "a"]  # the rest, for Serve to fall through to
+
+
+def test_the_routers_metrics_use_no_tag_serve_reserves():
+    """Serve adds deployment/replica/application/route tags itself and raises (in a replica,
+    at the first count) when a metric declares one."""
+    from ray.serve import metrics as serve_metrics
+
+    from app.decode_router import _picks
+
+    reserved = {serve_metrics.DEPLOYMENT_TAG, serve_metrics.REPLICA_TAG, serve_metrics.APPLICATION_TAG, serve_metrics.ROUTE_TAG}
+    assert not set(_picks()._tag_keys) & reserved

@@ -160,6 +160,19 @@ def test_the_ingress_streams_through_the_method_we_wrap():
         assert "self._process_llm_request(" in inspect.getsource(endpoint)
 
 
+def test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend():
+    """Late binding overrides ``OpenAiIngress._get_response`` (keyword arguments; an
+    async generator of the deployment's chunks) and relies on ``_process_llm_request``
+    taking every generation request's first chunk from it."""
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    method = OpenAiIngress._get_response
+    assert inspect.isasyncgenfunction(method)
+    params = inspect.signature(method).parameters
+    assert [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY] == ["body", "call_method", "raw_request"]
+    assert "self._get_response(" in inspect.getsource(OpenAiIngress._process_llm_request)
+
+
 def test_build_llm_deployment_signature():
     params = inspect.signature(build_llm_deployment).parameters
     for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
@@ -173,7 +186,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
 
     server = DecodeServer.__new__(DecodeServer)
     server._local_below = local_below
-    server._mode = "push"
+    server._mode, server._late_binding, server._replica_id = "push", False, "decode-1"
     server._tokenizer = None
     server._prompt_token_ids = lambda request: [0] * prompt_tokens
     server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
@@ -182,6 +195,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._metrics = types.SimpleNamespace(
         load=lambda ongoing, tokens: None,
         finished=lambda prefill, stream, first, total: server.paths.append(prefill),
+        bound=lambda binding, moved: None,
     )
     server.paths, server.seen, server.load = [], [], []
 

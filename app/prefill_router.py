@@ -1,0 +1,107 @@
+"""Serve request router of the prefill deployment: the least prefill work outstanding.
+
+Prefill work is prompt tokens, not requests: one 4k-token prompt keeps a prefill engine
+as busy as a hundred short ones. Every decode replica routes its own prefill legs (the
+handle lives in its process), so this router combines:
+
+* the prompt tokens of the legs this router sent that have not completed — exact and
+  immediate; ``DecodeServer`` tells it each leg's prompt length (``expect_prefill``,
+  same process) before the leg leaves, and text length stands in if it did not;
+* what each ``PrefillServer`` publishes every ``routing.stats_period_s``: the prompt tokens
+  of every router's legs in flight there, seconds late on a busy box.
+
+The pipeline and its scorers are ``app.routing``'s, with ``routing.prefill_policy``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from app.decode_router import count_pick, ranked, snapshot_from_stats
+from app.routing import RouteRequest, RoutingPolicy, pick
+
+logger = logging.getLogger("ray.serve.rendezvous.routing")
+
+_CHARS_PER_TOKEN = 4  # when a leg's prompt length was not announced
+_REMEMBERED = 10_000  # announced legs and legs in flight this router keeps track of, at most
+
+_announced: OrderedDict[str, int] = OrderedDict()  # request id -> prompt tokens
+
+
+def _announcements() -> OrderedDict[str, int]:
+    # Ray may unpickle a request router class by value, which gives its methods a private
+    # copy of this module's globals: the shared table is the imported module's.
+    return importlib.import_module("app.prefill_router")._announced
+
+
+def expect_prefill(request_id: str, prompt_tokens: int) -> None:
+    """Announce the prompt length of the prefill leg about to be routed for ``request_id``."""
+    announced = _announcements()
+    announced[request_id] = prompt_tokens
+    if len(announced) > _REMEMBERED:
+        announced.popitem(last=False)
+
+
+def leg_tokens(request: Any) -> int:
+    """The prompt tokens of a prefill leg: as announced, else estimated from its text."""
+    announced = _announcements().pop(getattr(request, "request_id", None), None)
+    if announced is not None:
+        return announced
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list):
+        return len(prompt)
+    text = prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in getattr(request, "messages", None) or [])
+    return len(text) // _CHARS_PER_TOKEN
+
+
+class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
+        self._policy = RoutingPolicy.model_validate(policy or {})
+        self._tokens_sent: Counter = Counter()  # replica id -> prompt tokens of legs sent from here, not completed
+        self._in_flight: OrderedDict[str, tuple[str, int]] = OrderedDict()  # internal request id -> (replica, tokens)
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._forget(internal_request_id)
+
+    def _forget(self, internal_request_id: str) -> None:
+        entry = self._in_flight.pop(internal_request_id, None)
+        if entry is not None:
+            replica, tokens = entry
+            self._tokens_sent[replica] -= tokens
+            if self._tokens_sent[replica] <= 0:
+                del self._tokens_sent[replica]
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        now = time.time()
+        by_id = {str(r.replica_id): r for r in candidate_replicas}
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        chosen_before = self._in_flight.get(request_id)  # its first pick was full: chosen again
+        args = getattr(pending_request, "args", None) or ()
+        tokens = chosen_before[1] if chosen_before else leg_tokens(args[0]) if args else 0
+        snapshots = [
+            snapshot_from_stats(
+                rid, self._replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
+                tokens_sent_here=self._tokens_sent[rid],
+            )
+            for rid, r in by_id.items()
+        ]
+        decision = pick(self._policy, RouteRequest(prompt_tokens=tokens), snapshots)
+        if request_id is not None:
+            self._forget(request_id)  # count a leg chosen again once
+            self._in_flight[request_id] = (decision.replica_id, tokens)
+            self._tokens_sent[decision.replica_id] += tokens
+            if len(self._in_flight) > _REMEMBERED:  # legs that were chosen but never sent
+                self._forget(next(iter(self._in_flight)))
+        count_pick("prefill", decision)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("prefill pick %s for %d tokens, scores=%s", decision.replica_id, tokens, decision.scores)
+        return ranked(decision, by_id)

@@ -1,0 +1,76 @@
+"""The prefill deployment's router (app/prefill_router.py): prefill legs go where the
+fewest prompt tokens wait, counting the legs this router sent until they complete."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+from app.prefill_router import LoadAwarePrefillRouter, expect_prefill, leg_tokens
+from app.routing import RoutingPolicy
+
+
+def _router(policy: dict | None = None) -> LoadAwarePrefillRouter:
+    router = LoadAwarePrefillRouter.__new__(LoadAwarePrefillRouter)
+    router._use_replica_queue_len_cache = False  # Serve's own cache is not under test here
+    router._replica_queue_len_cache = {}
+    router.initialize_state(policy)
+    return router
+
+
+def _replica(name: str, stats: dict | None = None) -> SimpleNamespace:
+    return SimpleNamespace(replica_id=name, routing_stats=stats or {})
+
+
+def _leg(request_id: str, tokens: int | None, prompt: str = "") -> SimpleNamespace:
+    if tokens is not None:
+        expect_prefill(request_id, tokens)
+    request = SimpleNamespace(request_id=request_id, prompt=prompt)
+    return SimpleNamespace(args=[request, None], metadata=SimpleNamespace(internal_request_id=f"serve-{request_id}"))
+
+
+def _choose(router, replicas, leg) -> str:
+    return asyncio.run(router.choose_replicas(replicas, leg))[0][0].replica_id
+
+
+def test_short_legs_avoid_the_replica_prefilling_a_long_prompt_until_it_completes():
+    router, replicas = _router(), [_replica("a"), _replica("b")]
+    busy = _choose(router, replicas, _leg("long", 4000))
+    other = ({"a", "b"} - {busy}).pop()
+    # Three short legs: more requests on the other replica, but far fewer tokens.
+    assert [_choose(router, replicas, _leg(f"short-{i}", 100)) for i in range(3)] == [other] * 3
+    router.on_request_completed(busy, "serve-long")
+    assert _choose(router, replicas, _leg("next", 100)) == busy
+    assert dict(router._tokens_sent) == {other: 300, busy: 100}
+
+
+def test_published_prefill_work_of_other_routers_counts_too():
+    router = _router()
+    loaded = {"rendezvous": {"ongoing": 2, "tokens_in_flight": 6000, "recorded_at": 1e12}}
+    assert _choose(router, [_replica("a", loaded), _replica("b")], _leg("x", 50)) == "b"
+
+
+def test_a_leg_chosen_twice_counts_once():
+    router, replicas = _router(), [_replica("a")]
+    leg = _leg("again", 700)
+    _choose(router, replicas, leg)
+    _choose(router, replicas, SimpleNamespace(args=leg.args, metadata=leg.metadata))
+    assert dict(router._tokens_sent) == {"a": 700}
+
+
+def test_an_unannounced_leg_is_estimated_from_its_text():
+    assert leg_tokens(SimpleNamespace(request_id="nobody-announced", prompt="x" * 400)) == 100
+    assert leg_tokens(SimpleNamespace(request_id="ids", prompt=[1, 2, 3])) == 3
+    chat = SimpleNamespace(request_id="chat", prompt=None, messages=[{"role": "user", "content": "y" * 80}])
+    assert leg_tokens(chat) == 20
+    expect_prefill("told", 42)
+    assert leg_tokens(SimpleNamespace(request_id="told", prompt="z")) == 42
+
+
+def test_the_default_prefill_policy_weighs_tokens_over_requests():
+    from app.args import RoutingArgs
+
+    policy = RoutingArgs().prefill_policy
+    assert isinstance(policy, RoutingPolicy)
+    assert policy.scorers["least_tokens"] > policy.scorers.get("least_ongoing", 0)
+    assert "conversation" not in policy.scorers and "kv_room" not in policy.filters
