@@ -5,6 +5,7 @@
   multiturn       per-turn TTFT of growing conversations (with and without conversation reuse)
   nixl-bandwidth  NIXL WRITE bandwidth vs memcpy on this machine
   soak            mixed traffic for a long while, replicas killed on a timer: nothing lost?
+  skew            load-aware vs round-robin decode placement when every other request is long
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ def _soak(a: argparse.Namespace) -> int:
     return 1 if report.requests.get("lost") else 0
 
 
+def _skew(a: argparse.Namespace) -> int:
+    from bench.skew import SkewLoad, run_skew
+
+    out = Path(a.out or f"results/skew-{time.strftime('%Y%m%d-%H%M%S')}")
+    load = SkewLoad(requests=a.requests, rate=a.rate, short_tokens=a.short_tokens, long_tokens=a.long_tokens)
+    report = run_skew(a.config, out, load)
+    return 1 if any(p.errors for p in report) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     from bench.profiles import PROFILES, Mode
 
@@ -111,6 +121,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--kill-every-s", type=float, default=300, help="SIGKILL a decode replica, then the prefill engine, ...")
     s.add_argument("--out", help="report directory (default results/soak-<time>)")
     s.set_defaults(func=_soak)
+
+    s = sub.add_parser("skew", help="load-aware vs round-robin decode placement, long and short requests alternating")
+    s.add_argument("--config", default="configs/local-cpu-1p2d.yaml")
+    s.add_argument("--requests", type=int, default=48)
+    s.add_argument("--rate", type=float, default=0.6, help="requests/s, Poisson")
+    s.add_argument("--short-tokens", type=int, default=16)
+    s.add_argument("--long-tokens", type=int, default=384)
+    s.add_argument("--out", help="report directory (default results/skew-<time>)")
+    s.set_defaults(func=_skew)
     return p
 
 
