@@ -9,7 +9,9 @@ and sends both legs concurrently. ``DecodeServer`` adds:
   must never come from a client header that may repeat;
 * conditional disaggregation — a prompt whose part to compute (for a conversation turn:
   beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
-  is prefilled by the decode engine itself: no prefill hop, no transfer;
+  is prefilled by the decode engine itself: no prefill hop, no transfer; so is a request
+  a prefill leg cannot serve (``app.eligibility``: several sequences, prompt logprobs,
+  beyond the context);
 * late binding in pull mode — a disaggregated request without a conversation is only
   prefilled by the replica it reached first; the ingress then has it decoded where the
   load is lowest when prefill is done (``app.late_binding``);
@@ -44,6 +46,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from app.args import PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
 from app.decode_router import STATS_KEY
+from app.eligibility import decode_alone_reason
 from app.late_binding import Prefilled
 from app.prefill_router import expect_prefill
 from connector.params import (
@@ -206,8 +209,12 @@ class DecodeServer(PDDecodeServer):
                 history = self._read_back(turn, request.request_id, prompt_ids or [])
         # What would have to be computed: for a conversation turn, beyond the history held here.
         to_compute = prompt_tokens - (turn.held_tokens if turn is not None and turn.reuse else 0)
-        route = _Route("local" if to_compute < self._local_below and prefilled is None else "remote")
-        logger.debug("request %s: %d prompt tokens, %s prefill", request.request_id, prompt_tokens, route.prefill)
+        alone = decode_alone_reason(request, None if prompt_ids is None else len(prompt_ids), self._max_model_len())
+        route = _Route("local" if prefilled is None and (alone or to_compute < self._local_below) else "remote")
+        logger.debug(
+            "request %s: %d prompt tokens, %s prefill%s", request.request_id, prompt_tokens, route.prefill,
+            f" ({alone})" if alone else "",
+        )
         if prefilled is not None:
             logger.debug("request %s: prefilled via replica %s, decoded here", request.request_id, prefilled.entry_replica)
             gen = self._pull_decode(request, raw_request_info, endpoint, prefilled.kv_transfer_params)
@@ -426,6 +433,9 @@ class DecodeServer(PDDecodeServer):
 
     def _cache_config(self):
         return self._vllm_config().cache_config
+
+    def _max_model_len(self) -> int | None:
+        return getattr(getattr(self._vllm_config(), "model_config", None), "max_model_len", None)
 
     def _kv_capacity_tokens(self) -> int | None:
         cache = getattr(self._vllm_config(), "cache_config", None)

@@ -51,6 +51,14 @@ def _endpoint(request: Any) -> str:
     return "chat" if hasattr(request, "messages") else "completions"
 
 
+def _one_token(prefill: Any) -> None:
+    """Ray's clamp to one non-streaming token, and a ``min_tokens`` that fits it: a
+    client's ``min_tokens`` is for decode's output, and above 1 vLLM would refuse the leg."""
+    clamp_request_to_single_token(prefill)
+    if getattr(prefill, "min_tokens", 0):
+        prefill.min_tokens = 0
+
+
 def _reuse(request: Any) -> bool:
     return bool((getattr(request, "kv_transfer_params", None) or {}).get(REUSE_KEY))
 
@@ -111,7 +119,7 @@ class NixlPushBackend(_RendezvousNixlBackend):
         prefill = request.model_copy(deep=True)
         prefill.request_id = request.request_id
         prefill.kv_transfer_params = push_prefill_params(reuse=_reuse(request))
-        clamp_request_to_single_token(prefill)
+        _one_token(prefill)
         return prefill
 
     def prepare_decode_request(self, *, request, peer, prefill_response):
@@ -130,6 +138,7 @@ class NixlPullBackend(DefaultPDProtocolMixin, _RendezvousNixlBackend):
     def prepare_prefill_request(self, *, request, peer):
         prefill = super().prepare_prefill_request(request=request, peer=peer)
         prefill.kv_transfer_params = pull_prefill_params()
+        _one_token(prefill)
         return prefill
 
 

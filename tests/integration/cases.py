@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.model_source import resolve_model_source
-from bench.engine_metrics import delta
+from bench.engine_metrics import counted_by, delta
 from tests.integration.reference import Generation, ReferenceEngine, app_args
 
 MAX_TOKENS = 32
@@ -174,6 +175,39 @@ def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) 
         f"transfer of {prompt_tokens} tokens ({expected} bytes of KV) landed in bucket ({lower}, {upper}]"
     )
     assert math.isfinite(expected)
+
+
+def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceEngine) -> None:
+    """The prefill leg computes the prompt and one token. ``min_tokens`` beyond 1 is the
+    client's wish for decode's output: such a request is disaggregated like any other.
+    Several sequences per prompt, or a prompt plus output beyond the context, are served
+    by decode alone, as one engine would serve them: the prefill engine sees neither (a
+    leg for the second would compute the prompt and hold its KV for nobody)."""
+    long_chat, short_chat = CASE_BY_NAME["chat-long"], CASE_BY_NAME["chat-short"]
+    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    engines_before, paths_before = client.metrics.settled_snapshot(), paths()
+
+    r = client.post(long_chat.endpoint, json={**long_chat.body(), "min_tokens": 8})
+    assert r.status_code == 200, r.text
+    expected = ref.chat(long_chat.messages, MAX_TOKENS, min_tokens=8)
+    assert parse_generation(long_chat, r.json()).token_ids == expected.token_ids
+
+    r = client.post(short_chat.endpoint, json={**short_chat.body(), "n": 2})
+    assert r.status_code == 200, r.text
+    expected = short_chat.reference(ref)
+    assert [c["token_ids"] for c in r.json()["choices"]] == [expected.token_ids] * 2  # greedy: both the same
+
+    case = CASE_BY_NAME["completion-long"]
+    r = client.post(case.endpoint, json=case.body(max_tokens=4096))
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+
+    grown = lambda now: {k: v - paths_before[k] for k, v in now.items() if v != paths_before[k]}  # noqa: E731
+    deadline = time.monotonic() + 60
+    while sum(grown(paths()).values()) < 3 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert grown(paths()) == {"remote": 1, "local": 2}, f"requests by prefill path: {grown(paths())}"
+    engines = client.metrics.settled_snapshot()
+    assert delta(engines, engines_before, "prefill", "e2e_request_latency_seconds_count") == 1
 
 
 def _fmt(le: float) -> str:

@@ -58,8 +58,11 @@ class ReferenceEngine:
         inp = TokensPrompt(prompt_token_ids=prompt) if isinstance(prompt, list) else prompt
         return self._answer(["complete", prompt, max_tokens], lambda: self.llm.generate([inp], self._params(max_tokens), use_tqdm=False))
 
-    def chat(self, messages: list[dict], max_tokens: int) -> Generation:
-        return self._answer(["chat", messages, max_tokens], lambda: self.llm.chat([messages], self._params(max_tokens), use_tqdm=False))
+    def chat(self, messages: list[dict], max_tokens: int, **extra) -> Generation:
+        """``extra``: more sampling parameters (e.g. ``min_tokens``)."""
+        return self._answer(
+            ["chat", messages, max_tokens, extra], lambda: self.llm.chat([messages], self._params(max_tokens, **extra), use_tqdm=False)
+        )
 
     def _answer(self, request: list, generate) -> Generation:
         key = json.dumps(request, sort_keys=True)

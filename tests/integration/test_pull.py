@@ -19,6 +19,7 @@ from tests.integration.cases import (
     CASE_BY_NAME,
     CASES,
     STREAMED,
+    assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
@@ -54,6 +55,10 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
 
 def test_kv_was_read_by_decode_not_recomputed(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="decode")
+
+
+def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):
+    assert_decode_serves_alone_what_a_prefill_leg_cannot(client, reference)
 
 
 def test_a_conversation_reads_its_verified_history_back_from_decode_and_stays_identical(client, reference):

@@ -33,6 +33,7 @@ from tests.integration.cases import (
     CASES,
     STREAMED,
     Case,
+    assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
@@ -65,6 +66,10 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
 
 def test_kv_was_pushed_by_prefill_not_recomputed_by_decode(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
+
+
+def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):
+    assert_decode_serves_alone_what_a_prefill_leg_cannot(client, reference)
 
 
 def test_usage_counts(client):

@@ -189,6 +189,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._mode, server._late_binding, server._replica_id = "push", False, "decode-1"
     server._tokenizer = None
     server._prompt_token_ids = lambda request: [0] * prompt_tokens
+    server._max_model_len = lambda: 4096
     server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
     server._upstream_history = False
     server._ongoing = server._tokens_in_flight = 0
@@ -259,6 +260,25 @@ def test_decode_server_prefills_short_prompts_locally(monkeypatch, prompt_tokens
     server = _decode_server(local_below=16, prompt_tokens=prompt_tokens)
     chunks = _drain(server, "chat", ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
     assert chunks == [f"{expected}-chunk"] and server.paths == [expected]
+
+
+@pytest.mark.parametrize("request_, expected", [
+    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2), "local"),
+    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4000), "local"),
+    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3000), "remote"),
+])
+def test_decode_server_serves_alone_what_a_prefill_leg_cannot(monkeypatch, request_, expected):
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    async def local_chat(self, request, raw=None):
+        async def gen():
+            yield "local-chunk"
+
+        return gen()
+
+    monkeypatch.setattr(LLMServer, "chat", local_chat)
+    server = _decode_server(prompt_tokens=400)  # 400 + 4000 > the fake's 4096
+    assert _drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
 def test_llm_server_keeps_an_explicitly_set_request_id(monkeypatch):
@@ -440,6 +460,20 @@ def test_pull_legs(make, _):
     assert decode.kv_transfer_params == returned
     assert decode.max_tokens == 50 and decode.stream is True
     assert request.model_dump() == before
+
+
+@pytest.mark.parametrize("make, _", REQUESTS)
+@pytest.mark.parametrize("backend_class, args", [(NixlPushBackend, {}), (NixlPullBackend, {"mode": "pull"})])
+def test_prefill_leg_of_a_request_with_min_tokens_is_one_vllm_accepts(make, _, backend_class, args):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    request = make(max_tokens=50, min_tokens=8)
+    prefill = _backend(backend_class, args).prepare_prefill_request(request=request, peer=PEER.to_metadata())
+    SamplingParams(max_tokens=prefill.max_tokens, min_tokens=prefill.min_tokens)  # raises if it does not fit
+    with pytest.raises(VLLMValidationError, match="min_tokens"):  # what the unshaped leg got (a 400)
+        SamplingParams(max_tokens=prefill.max_tokens, min_tokens=request.min_tokens)
+    assert request.min_tokens == 8  # decode's leg is the client's request
 
 
 # --------------------------------------------------------------------------- setup(), with Ray's lookups faked

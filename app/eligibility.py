@@ -1,0 +1,46 @@
+"""Which requests a prefill leg can serve (pure).
+
+A disaggregated request is computed twice over: prefill computes the prompt and one
+token, decode continues from the prompt's KV. Some requests need more of the prompt
+than its KV, or could never be decoded; decode serves them alone (a local prefill),
+which answers them exactly as one engine would:
+
+* several sequences per prompt (``n`` or ``best_of`` above 1, beam search): each of the decode
+  engine's sequences would register for the one prefill request's KV;
+* prompt logprobs (``prompt_logprobs``, or ``echo``, which asks for them as well):
+  they come from the engine that computes the prompt, and decode computes none of it;
+* prompt + requested output beyond the model's context: decode's engine refuses it
+  with a 400, after the prefill leg (asked for one token) would have computed the whole
+  prompt and held its KV for nobody until its lease ran out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def requested_output_tokens(request: Any) -> int | None:
+    """The output bound the request asks for, as vLLM reads it (chat's
+    ``max_completion_tokens`` before ``max_tokens``); None = up to the context length."""
+    return getattr(request, "max_completion_tokens", None) or getattr(request, "max_tokens", None)
+
+
+def decode_alone_reason(request: Any, prompt_tokens: int | None, max_model_len: int | None) -> str | None:
+    """Why ``request`` must not get a prefill leg, or None if it may."""
+    sequences = max(getattr(request, "n", None) or 1, getattr(request, "best_of", None) or 1)
+    if sequences > 1 or getattr(request, "use_beam_search", False):
+        return "several sequences"
+    if _prompt_logprobs(request) is not None:
+        return "prompt logprobs"
+    if prompt_tokens is not None and max_model_len:
+        if prompt_tokens + (requested_output_tokens(request) or 1) > max_model_len:
+            return "longer than the context"
+    return None
+
+
+def _prompt_logprobs(request: Any) -> int | None:
+    # As vLLM's to_sampling_params reads them: echo asks for them too.
+    wanted = getattr(request, "prompt_logprobs", None)
+    if wanted is None and getattr(request, "echo", False):
+        wanted = getattr(request, "top_logprobs" if hasattr(request, "messages") else "logprobs", None)
+    return wanted
