@@ -12,6 +12,8 @@ import math
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from collections import Counter
 
@@ -23,6 +25,7 @@ from app.model_source import resolve_model_source
 from app.procs import BASE_URL, engine_processes
 from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced
+from bench.openloop import body_for
 from bench.plots import plot_results
 from bench.profiles import app_args_of, load_config
 from bench.results import COLUMNS, write_results
@@ -388,63 +391,60 @@ OVERLOAD_S, OVERLOAD_FACTOR = 120, 4
 
 
 @pytest.mark.slow
-def test_sustained_overload_gets_quick_429s_and_every_accepted_answer_is_correct(client, reference):
-    """Four times the rate the box sustains, for two minutes (open loop, Poisson arrivals).
-    Each request either completes correctly (teacher-forced: vLLM is not batch-invariant)
-    or gets a 429 with Retry-After and an OpenAI error body quickly: a queue would make the
-    rejected wait for the work they were refused for. Then the app serves as before."""
+def test_sustained_overload_gets_quick_429s_and_every_accepted_answer_is_correct(client, reference, tmp_path):
+    """Four times the rate the box sustains, for two minutes (open loop, Poisson arrivals,
+    from a process of its own: bench.openloop). Each request either completes correctly
+    (teacher-forced: vLLM is not batch-invariant) or gets a 429 with Retry-After and an
+    OpenAI error body quickly: a queue would make the rejected wait for the work they were
+    refused for. Then the app serves as before."""
     limit = app_args(CONFIG).ingress.max_in_flight
-    http = httpx.Client(base_url=BASE_URL, timeout=300, limits=httpx.Limits(max_connections=1024))
-
-    def send(i: int):
-        case = Case(f"load{i}", prompt=long_text(3) + f"\nNote {i} says")
-        started = time.monotonic()
-        r = http.post(case.endpoint, json=case.body(max_tokens=16))
-        return case, r, time.monotonic() - started
+    prompt = long_text(3) + "\nNote {i} says"
+    body = Case("load", prompt=prompt).body(max_tokens=16)
 
     # What the box sustains: completions per second with `limit` requests always in flight.
     calibration_s, answered, ids = 20.0, 0, itertools.count()
-    with cf.ThreadPoolExecutor(limit) as pool:
-        started = time.monotonic()
-        pending = {pool.submit(send, next(ids)) for _ in range(limit)}
-        while pending:
-            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            answered += sum(f.result()[1].status_code == 200 for f in done)
-            if time.monotonic() - started < calibration_s:
-                pending |= {pool.submit(send, next(ids)) for _ in done}
-        sustained = answered / (time.monotonic() - started)
+    with httpx.Client(base_url=BASE_URL, timeout=300, limits=httpx.Limits(max_connections=limit)) as http:
+        send = lambda i: http.post("/v1/completions", json=body_for(body, i))  # noqa: E731
+        with cf.ThreadPoolExecutor(limit) as pool:
+            started = time.monotonic()
+            pending = {pool.submit(send, next(ids)) for _ in range(limit)}
+            while pending:
+                done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+                answered += sum(f.result().status_code == 200 for f in done)
+                if time.monotonic() - started < calibration_s:
+                    pending |= {pool.submit(send, next(ids)) for _ in done}
+            sustained = answered / (time.monotonic() - started)
 
-    rate, rng, futures = OVERLOAD_FACTOR * sustained, random.Random(7), []
-    with cf.ThreadPoolExecutor(512) as pool:
-        started = next_at = time.monotonic()
-        while next_at < started + OVERLOAD_S:
-            time.sleep(max(0.0, next_at - time.monotonic()))
-            futures.append(pool.submit(send, next(ids)))
-            next_at += rng.expovariate(rate)
-        results = [f.result() for f in futures]
-    http.close()
+    rate, out = OVERLOAD_FACTOR * sustained, tmp_path / "overload.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "bench.openloop", "--base-url", BASE_URL, "--path", "/v1/completions",
+         "--body", json.dumps(body), "--rate", f"{rate:.3f}", "--seconds", str(OVERLOAD_S), "--seed", "7",
+         "--first-index", str(next(ids)), "--out", str(out)],
+        check=True, timeout=OVERLOAD_S + 600,
+    )
+    results = [json.loads(line) for line in out.read_text().splitlines()]
 
-    statuses = Counter(r.status_code for _, r, _ in results)
-    assert set(statuses) <= {200, 429}, [r.text[:200] for _, r, _ in results if r.status_code not in (200, 429)]
-    accepted = [(case, r) for case, r, _ in results if r.status_code == 200]
-    rejected = sorted(s for _, r, s in results if r.status_code == 429)
+    statuses = Counter(r["status"] for r in results)
+    assert set(statuses) <= {200, 429}, [str(r["response"])[:200] for r in results if r["status"] not in (200, 429)]
+    accepted = [r for r in results if r["status"] == 200]
+    rejected = sorted(r["latency_s"] for r in results if r["status"] == 429)
     assert accepted and rejected, statuses
-    for _, r, _ in results:
-        if r.status_code == 429:
-            assert int(r.headers["retry-after"]) > 0 and r.json()["error"]["type"] == "rate_limit_error", r.text
-    generations = [parse_generation(case, r.json()) for case, r in accepted]
+    for r in results:
+        if r["status"] == 429:
+            assert int(r["retry_after"]) > 0 and r["response"]["error"]["type"] == "rate_limit_error", r
+    generations = [parse_generation(Case(f"load{r['index']}", prompt=""), r["response"]) for r in accepted]
     all_gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])
-    bad = [(case.name, max(gaps)) for (case, _), gaps in zip(accepted, all_gaps) if max(gaps) > 1.0]
+    bad = [(r["index"], max(gaps)) for r, gaps in zip(accepted, all_gaps) if max(gaps) > 1.0]
     assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
 
     p99 = rejected[min(len(rejected) - 1, int(0.99 * len(rejected)))]
-    answer_s = sorted(s for _, r, s in results if r.status_code == 200)
+    answer_s = sorted(r["latency_s"] for r in accepted)
     print(f"overload: {sustained:.2f} req/s sustained, {rate:.2f} req/s offered for {OVERLOAD_S} s: "
           f"{len(accepted)} answered (median {answer_s[len(answer_s) // 2]:.1f} s), "
           f"{len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s)")
-    # The issue's target is a p99 under 1 s. Here the client, the Serve proxy and three engines share 2 cores:
-    # measured 1.3-2.3 s at the client while the proxy handled 429s in 0.39 s (p99). What must hold anywhere:
-    # a rejection does not wait behind the work it was refused for.
+    # The issue's target is a p99 under 1 s; the client, the Serve proxy and three engines share 2
+    # cores here (see the README's Limits for what was measured). What must hold anywhere: a rejection
+    # does not wait behind the work it was refused for.
     assert p99 < answer_s[len(answer_s) // 2] / 4, f"p99 of rejections {p99:.2f} s"
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 

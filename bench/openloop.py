@@ -1,0 +1,89 @@
+"""Open-loop Poisson arrivals from a process of their own: ``python -m bench.openloop``.
+
+Under overload a client's own delays must not be counted as the server's. Hundreds of
+threads in a process that does other work too (pytest, a reference engine) read an
+answer well after it arrived; here one asyncio loop sends every request at its arrival
+time and stamps each answer when its last byte is in. One JSON line per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Outcome:
+    index: int
+    status: int  # 0: no HTTP answer (the error is in ``response``)
+    latency_s: float  # request sent -> answer complete
+    retry_after: str | None
+    response: Any  # the JSON body, or its text if it is not JSON
+
+
+def body_for(template: dict, index: int) -> dict:
+    """``template`` with ``{i}`` in its strings replaced by the request's index (unique prompts)."""
+    return json.loads(json.dumps(template).replace("{i}", str(index)))
+
+
+async def _one(http, path: str, body: dict, index: int) -> Outcome:
+    started = time.monotonic()
+    try:
+        r = await http.post(path, json=body)
+    except Exception as exc:  # noqa: BLE001 - recorded, a lost request for the caller to judge
+        return Outcome(index, 0, time.monotonic() - started, None, f"{type(exc).__name__}: {exc}")
+    latency = time.monotonic() - started
+    try:
+        response = r.json()
+    except ValueError:
+        response = r.text
+    return Outcome(index, r.status_code, latency, r.headers.get("retry-after"), response)
+
+
+async def offer(
+    base_url: str, path: str, template: dict, rate: float, seconds: float, seed: int = 0, first_index: int = 0,
+    transport=None,
+) -> list[Outcome]:
+    """Poisson arrivals at ``rate`` per second for ``seconds``; every answer awaited.
+    ``transport``: an httpx transport to send through instead of the network (tests)."""
+    import httpx
+
+    rng, tasks = random.Random(seed), []
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=4096)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits, transport=transport) as http:
+        start = next_at = time.monotonic()
+        while next_at < start + seconds:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            index = first_index + len(tasks)
+            tasks.append(asyncio.create_task(_one(http, path, body_for(template, index), index)))
+            next_at += rng.expovariate(rate)
+        return list(await asyncio.gather(*tasks))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.openloop", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--path", default="/v1/completions")
+    parser.add_argument("--body", required=True, help="JSON request body; {i} in its strings becomes the request's index")
+    parser.add_argument("--rate", type=float, required=True, help="requests per second (Poisson)")
+    parser.add_argument("--seconds", type=float, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first-index", type=int, default=0)
+    parser.add_argument("--out", required=True, help="JSON lines, one per request")
+    a = parser.parse_args(argv)
+    outcomes = asyncio.run(offer(a.base_url, a.path, json.loads(a.body), a.rate, a.seconds, a.seed, a.first_index))
+    with Path(a.out).open("w") as f:
+        for outcome in outcomes:
+            f.write(json.dumps(asdict(outcome)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
