@@ -246,37 +246,32 @@ def test_decode_server_counts_load_while_a_request_is_in_flight():
     assert (server._ongoing, server._tokens_in_flight) == (0, 0)
 
 
+@pytest.fixture
+def local_engine(monkeypatch):
+    """Decode's own engine (``LLMServer.chat``) answers ``local-chunk``."""
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
+    async def local_chat(self, request, raw=None):
+        async def gen():
+            yield "local-chunk"
+
+        return gen()
+
+    monkeypatch.setattr(LLMServer, "chat", local_chat)
+
+
+def _hi(**kwargs) -> ChatCompletionRequest:
+    return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kwargs)
+
+
 @pytest.mark.parametrize("prompt_tokens, expected", [(3, "local"), (15, "local"), (16, "remote"), (400, "remote")])
-def test_decode_server_prefills_short_prompts_locally(monkeypatch, prompt_tokens, expected):
-    from ray.llm._internal.serve.core.server.llm_server import LLMServer
-
-    async def local_chat(self, request, raw=None):
-        async def gen():
-            yield "local-chunk"
-
-        return gen()
-
-    monkeypatch.setattr(LLMServer, "chat", local_chat)
+def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_tokens, expected):
     server = _decode_server(local_below=16, prompt_tokens=prompt_tokens)
-    chunks = _drain(server, "chat", ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}]))
-    assert chunks == [f"{expected}-chunk"] and server.paths == [expected]
+    assert _drain(server, "chat", _hi()) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
-@pytest.mark.parametrize("request_, expected", [
-    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], n=2), "local"),
-    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4000), "local"),
-    (ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=3000), "remote"),
-])
-def test_decode_server_serves_alone_what_a_prefill_leg_cannot(monkeypatch, request_, expected):
-    from ray.llm._internal.serve.core.server.llm_server import LLMServer
-
-    async def local_chat(self, request, raw=None):
-        async def gen():
-            yield "local-chunk"
-
-        return gen()
-
-    monkeypatch.setattr(LLMServer, "chat", local_chat)
+@pytest.mark.parametrize("request_, expected", [(_hi(n=2), "local"), (_hi(max_tokens=4000), "local"), (_hi(max_tokens=3000), "remote")])
+def test_decode_server_serves_alone_what_a_prefill_leg_cannot(local_engine, request_, expected):
     server = _decode_server(prompt_tokens=400)  # 400 + 4000 > the fake's 4096
     assert _drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
 
