@@ -9,14 +9,17 @@ which answers them exactly as one engine would:
   engine's sequences would register for the one prefill request's KV;
 * prompt logprobs (``prompt_logprobs``, or ``echo``, which asks for them as well):
   they come from the engine that computes the prompt, and decode computes none of it;
-* prompt + requested output beyond the model's context: decode's engine refuses it
-  with a 400, after the prefill leg (asked for one token) would have computed the whole
-  prompt and held its KV for nobody until its lease ran out.
+* a request decode's engine refuses (a 400) while the prefill leg, shaped to one token,
+  would pass: sampling parameters vLLM rejects (``max_tokens`` 0 or below, ...), or a
+  prompt plus requested output beyond the model's context. The leg would compute the
+  prompt and hold its KV for nobody until its lease ran out.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+_NO_BOUND = 1 << 20  # output tokens when neither the request nor the model bounds them
 
 
 def requested_output_tokens(request: Any) -> int | None:
@@ -32,10 +35,24 @@ def decode_alone_reason(request: Any, prompt_tokens: int | None, max_model_len: 
         return "several sequences"
     if _prompt_logprobs(request) is not None:
         return "prompt logprobs"
+    if _refused_sampling(request, max_model_len):
+        return "invalid sampling parameters"
     if prompt_tokens is not None and max_model_len:
         if prompt_tokens + (requested_output_tokens(request) or 1) > max_model_len:
             return "longer than the context"
     return None
+
+
+def _refused_sampling(request: Any, max_model_len: int | None) -> bool:
+    """Whether vLLM's own validation refuses the sampling parameters decode would get."""
+    if not hasattr(request, "to_sampling_params"):
+        return False
+    bound = requested_output_tokens(request)
+    try:
+        request.to_sampling_params(bound if bound is not None else max_model_len or _NO_BOUND, {})
+    except Exception:  # noqa: BLE001 - whatever vLLM refuses, decode's engine answers with its 400
+        return True
+    return False
 
 
 def _prompt_logprobs(request: Any) -> int | None:

@@ -11,7 +11,7 @@ and sends both legs concurrently. ``DecodeServer`` adds:
   beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
   is prefilled by the decode engine itself: no prefill hop, no transfer; so is a request
   a prefill leg cannot serve (``app.eligibility``: several sequences, prompt logprobs,
-  beyond the context);
+  what decode's engine would refuse);
 * late binding in pull mode — a disaggregated request without a conversation is only
   prefilled by the replica it reached first; the ingress then has it decoded where the
   load is lowest when prefill is done (``app.late_binding``);

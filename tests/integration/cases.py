@@ -180,9 +180,10 @@ def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) 
 def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceEngine) -> None:
     """The prefill leg computes the prompt and one token. ``min_tokens`` beyond 1 is the
     client's wish for decode's output: such a request is disaggregated like any other.
-    Several sequences per prompt, or a prompt plus output beyond the context, are served
-    by decode alone, as one engine would serve them: the prefill engine sees neither (a
-    leg for the second would compute the prompt and hold its KV for nobody)."""
+    Several sequences per prompt, a prompt plus output beyond the context and a
+    ``max_tokens`` of 0 are served by decode alone, as one engine would serve them: the
+    prefill engine sees none of them (a leg for the refused ones, shaped to one token,
+    would compute the prompt and hold its KV for nobody)."""
     long_chat, short_chat = CASE_BY_NAME["chat-long"], CASE_BY_NAME["chat-short"]
     paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
     engines_before, paths_before = client.metrics.settled_snapshot(), paths()
@@ -198,14 +199,15 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceE
     assert [c["token_ids"] for c in r.json()["choices"]] == [expected.token_ids] * 2  # greedy: both the same
 
     case = CASE_BY_NAME["completion-long"]
-    r = client.post(case.endpoint, json=case.body(max_tokens=4096))
-    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
+    for max_tokens, refusal in ((4096, "maximum context length"), (0, "max_tokens must be at least 1")):
+        r = client.post(case.endpoint, json=case.body(max_tokens=max_tokens))
+        assert r.status_code == 400 and refusal in r.json()["error"]["message"], r.text
 
     grown = lambda now: {k: v - paths_before[k] for k, v in now.items() if v != paths_before[k]}  # noqa: E731
     deadline = time.monotonic() + 60
-    while sum(grown(paths()).values()) < 3 and time.monotonic() < deadline:
+    while sum(grown(paths()).values()) < 4 and time.monotonic() < deadline:
         time.sleep(1)
-    assert grown(paths()) == {"remote": 1, "local": 2}, f"requests by prefill path: {grown(paths())}"
+    assert grown(paths()) == {"remote": 1, "local": 3}, f"requests by prefill path: {grown(paths())}"
     engines = client.metrics.settled_snapshot()
     assert delta(engines, engines_before, "prefill", "e2e_request_latency_seconds_count") == 1
 

@@ -40,6 +40,16 @@ def test_what_only_the_engine_computing_the_prompt_can_answer_stays_on_decode(re
     assert decode_alone_reason(request_, prompt_tokens=100, max_model_len=4096) == reason
 
 
+@pytest.mark.parametrize("request_", [
+    chat(max_tokens=0), chat(max_completion_tokens=-1), completion(max_tokens=-2), completion(temperature=-1.0),
+    chat(top_p=1.5), completion(min_tokens=-1), chat(logit_bias={"abc": 1.0}), completion(n=0), chat(top_k=-2),
+    completion(min_tokens=10, max_tokens=4),
+], ids=repr)
+def test_sampling_parameters_decode_would_refuse_are_refused_by_decode_alone(request_):
+    """The prefill leg asks for one token, which vLLM would accept: it must not be sent."""
+    assert decode_alone_reason(request_, prompt_tokens=100, max_model_len=4096) == "invalid sampling parameters"
+
+
 @pytest.mark.parametrize("request_, prompt_tokens, alone", [
     (completion(max_tokens=96), 4000, False),  # exactly the context
     (completion(max_tokens=97), 4000, True),
