@@ -369,7 +369,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(client, re
         st.tuples(st.just(COMPLETIONS), fuzz.COMPLETION),
         st.tuples(st.sampled_from([CHAT, COMPLETIONS]), fuzz.NOT_AN_OBJECT),
     )
-    seen = Counter()
+    seen, log_start = Counter(), client.app.log_path.stat().st_size
 
     @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -385,6 +385,13 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(client, re
     assert seen[2] and seen[4], f"responses by class: {dict(seen)} (the bodies should get both answers and 4xx)"
     assert client.http.get("/health").status_code == 200
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
+    # A prefill leg whose KV no decode takes (a body decode refused) holds it until its lease runs out.
+    lease_s = app_args(CONFIG).nixl.extra_config.get("kv_lease_duration", 30)  # vLLM's default
+    time.sleep(lease_s + 5)
+    with client.app.log_path.open(errors="replace") as log:
+        log.seek(log_start)
+        expired = [line[-220:] for line in log if "Releasing expired KV blocks" in line]
+    assert not expired, f"prefill KV that no decode took: {expired}"
 
 
 OVERLOAD_S, OVERLOAD_FACTOR = 120, 4
