@@ -449,9 +449,9 @@ def test_sustained_overload_gets_quick_429s_and_every_accepted_answer_is_correct
     print(f"overload: {sustained:.2f} req/s sustained, {rate:.2f} req/s offered for {OVERLOAD_S} s: "
           f"{len(accepted)} answered (median {answer_s[len(answer_s) // 2]:.1f} s), "
           f"{len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s)")
-    # The target is a p99 under 1 s; the client, the Serve proxy and three engines share 2
-    # cores here (see the README's Limits for what was measured). What must hold anywhere: a rejection
-    # does not wait behind the work it was refused for.
+    # The target is a p99 under 1 s: 0.41 s measured on the 2-core box (README, Admission). Not
+    # asserted as such (a slower box is not a defect); what must hold anywhere: a rejection does not
+    # wait behind the work it was refused for.
     assert p99 < answer_s[len(answer_s) // 2] / 4, f"p99 of rejections {p99:.2f} s"
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 

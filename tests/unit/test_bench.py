@@ -650,24 +650,38 @@ def test_skew_sets_the_decode_router_of_the_config(tmp_path):
 def test_openloop_sends_unique_bodies_at_poisson_arrivals_and_records_every_answer():
     import asyncio
 
-    import httpx
+    from aiohttp import web
 
     from bench.openloop import body_for, offer
 
     assert body_for({"prompt": "Note {i} says", "n": ["{i}"], "max_tokens": 4}, 7) == {"prompt": "Note 7 says", "n": ["7"], "max_tokens": 4}
     seen = []
 
-    def answer(request: httpx.Request) -> httpx.Response:
-        seen.append(json.loads(request.content)["prompt"])
+    async def answer(request: web.Request) -> web.Response:
+        seen.append((await request.json())["prompt"])
         if len(seen) % 2:
-            return httpx.Response(200, json={"ok": len(seen)})
-        return httpx.Response(429, headers={"retry-after": "1"}, text="busy")
+            return web.json_response({"ok": len(seen)})
+        return web.Response(status=429, headers={"retry-after": "1"}, text="busy")
 
-    outcomes = asyncio.run(offer("http://app", "/v1/completions", {"prompt": "p{i}"}, rate=200, seconds=0.2, seed=3,
-                                 first_index=10, transport=httpx.MockTransport(answer)))
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await offer(f"http://127.0.0.1:{port}", "/v1/completions", {"prompt": "p{i}"}, rate=200, seconds=0.2,
+                               seed=3, first_index=10)
+        finally:
+            await runner.cleanup()
+
+    outcomes = asyncio.run(run())
     assert 10 <= len(outcomes) <= 90  # ~40 expected
     assert [o.index for o in outcomes] == list(range(10, 10 + len(outcomes)))
     assert sorted(seen) == sorted(f"p{o.index}" for o in outcomes)
     assert {o.status for o in outcomes} == {200, 429}
     assert all(o.retry_after == "1" and o.response == "busy" for o in outcomes if o.status == 429)
+    assert all(isinstance(o.response, dict) for o in outcomes if o.status == 200)
     assert all(o.latency_s >= 0 for o in outcomes)
