@@ -210,6 +210,7 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     server._ongoing = server._tokens_in_flight = 0
     prompts = iter([900, 900 + new_user_tokens])
     server._prompt_token_ids = lambda request: [0] * next(prompts)
+    server._max_model_len = lambda: 4096
     server._upstream_history, server._kept_params = False, {}
     routes = []
     server._metrics = types.SimpleNamespace(
