@@ -209,7 +209,9 @@ class DecodeServer(PDDecodeServer):
                 history = self._read_back(turn, request.request_id, prompt_ids or [])
         # What would have to be computed: for a conversation turn, beyond the history held here.
         to_compute = prompt_tokens - (turn.held_tokens if turn is not None and turn.reuse else 0)
-        alone = decode_alone_reason(request, None if prompt_ids is None else len(prompt_ids), self._max_model_len())
+        alone = None  # a prefilled (late-bound) request was judged by the replica it reached first
+        if prefilled is None:
+            alone = decode_alone_reason(request, None if prompt_ids is None else len(prompt_ids), self._max_model_len())
         route = _Route("local" if prefilled is None and (alone or to_compute < self._local_below) else "remote")
         logger.debug(
             "request %s: %d prompt tokens, %s prefill%s", request.request_id, prompt_tokens, route.prefill,
