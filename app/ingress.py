@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -26,13 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
-from ray.serve.metrics import Counter
+from ray.serve.metrics import Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
+from app.timeline import ARRIVED, FIRST_CHUNK, RequestTimeline
 
 logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
 
@@ -107,6 +109,7 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
                 f"server busy: {admission.limit} requests in flight on this replica; retry after {retry_after_s} s",
                 headers={"Retry-After": str(retry_after_s)},
             )
+        request.state.rendezvous_arrived = time.time()  # the request's timeline starts here (app.timeline)
         try:
             problem = await _prepare_body(request, max_body_bytes)
             if problem is not None:
@@ -206,6 +209,44 @@ def _decode_lost() -> Counter:
     )
 
 
+@functools.cache
+def _stage_seconds() -> Histogram:
+    return Histogram(
+        "rendezvous_stage_seconds",
+        description="Seconds each stage of a request took, by transfer mode and stage (app/timeline.py): route, bind, "
+        "prefill_hop, prefill_queue, prefill_compute, handoff (KV to decode and its first step), local_prefill, "
+        "deliver (first token to the client), ttft.",
+        boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64],
+        tag_keys=("mode", "stage"),
+    )
+
+
+def record_timeline(timeline: RequestTimeline) -> None:
+    """Export one finished request's stage durations and log its timeline as one line."""
+    for stage, seconds in timeline.stages().items():
+        _stage_seconds().observe(seconds, tags={"mode": timeline.mode, "stage": stage})
+    logger.info("%s", timeline.to_log_line())
+
+
+async def timelines_recorded(responses: AsyncIterator, arrived: float) -> AsyncIterator:
+    """``responses`` without the decode replica's :class:`RequestTimeline`, which is
+    completed with the ingress's own stamps (arrival, first chunk out) and recorded."""
+    timeline, first_chunk = None, None
+    async for response in responses:
+        if isinstance(response, RequestTimeline):
+            timeline = response  # before a whole response, or after a stream's last chunk
+        elif first_chunk is None and not isinstance(response, Prefilled):
+            first_chunk = time.time()
+        if timeline is not None and first_chunk is not None:
+            # Before the yield: upstream stops reading after a whole (non-streamed) response.
+            timeline.stamp(ARRIVED, arrived)
+            timeline.stamp(FIRST_CHUNK, first_chunk)
+            record_timeline(timeline)
+            timeline = None
+        if not isinstance(response, RequestTimeline):
+            yield response
+
+
 async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: str) -> AsyncIterator[str | bytes]:
     """``chunks`` of a server-sent event stream; if they fail after the stream started
     (its decode replica died), an OpenAI error event and ``[DONE]`` end the stream, as
@@ -230,16 +271,17 @@ class Ingress(OpenAiIngress):
         through the decode router once more, which picks by the load at that moment."""
         if getattr(body, "kv_transfer_params", None) is not None:
             body = body.model_copy(update={"kv_transfer_params": None})  # engine addressing is ours alone
+        arrived = getattr(getattr(raw_request, "state", None), "rendezvous_arrived", None) or time.time()
         prefilled = None
-        async for response in super()._get_response(body=body, call_method=call_method, raw_request=raw_request):
+        responses = super()._get_response(body=body, call_method=call_method, raw_request=raw_request)
+        async for response in timelines_recorded(responses, arrived):
             if isinstance(response, Prefilled):
                 prefilled = response  # the entry replica's answer ends here: it is no longer counted busy
                 continue
             yield response
         if prefilled is not None:
-            async for response in super()._get_response(
-                body=prefilled.attach_to(body), call_method=call_method, raw_request=raw_request
-            ):
+            responses = super()._get_response(body=prefilled.attach_to(body), call_method=call_method, raw_request=raw_request)
+            async for response in timelines_recorded(responses, arrived):
                 yield response
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:

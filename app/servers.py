@@ -49,10 +49,12 @@ from app.decode_router import STATS_KEY
 from app.eligibility import decode_alone_reason
 from app.late_binding import Prefilled
 from app.prefill_router import expect_prefill
+from app.timeline import FIRST_TOKEN, LEGS_SENT, PREFILL_ANSWERED, RECEIVED, RequestTimeline
 from connector.params import (
     KEEP_HISTORY_KEY,
     REUSE_KEY,
     REUSE_REPORT_KEY,
+    STAGES_KEY,
     new_transfer_request_id,
     pull_history_params,
     verified_history_tokens,
@@ -161,6 +163,7 @@ class DecodeServer(PDDecodeServer):
         self._recompute_threshold = conversations.recompute_threshold if conversations else 0
         self._kept: dict[str, _KeptHistory] = {}  # conversation id -> its last turn's blocks (upstream read-back)
         self._kept_params: dict[str, dict] = {}  # request id -> decode's response params, until the turn ends
+        self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
 
     async def chat(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "chat")
@@ -186,6 +189,7 @@ class DecodeServer(PDDecodeServer):
         return stats
 
     async def _serve(self, request, raw_request_info, endpoint: str):
+        received = time.time()
         prefilled = Prefilled.attached_to(request)  # late binding: prefilled by another replica (only the ingress attaches it)
         # Client-sent kv_transfer_params never reach an engine: they name peers to connect to.
         update: dict[str, Any] = {
@@ -217,6 +221,10 @@ class DecodeServer(PDDecodeServer):
             "request %s: %d prompt tokens, %s prefill%s", request.request_id, prompt_tokens, route.prefill,
             f" ({alone})" if alone else "",
         )
+        timeline = RequestTimeline(request.request_id, self._mode, route.prefill, bool(getattr(request, "stream", False)))
+        timeline.stamps.update(prefilled.stamps if prefilled else {})
+        timeline.stamp(RECEIVED, received)
+        self._timelines[request.request_id] = timeline
         if prefilled is not None:
             logger.debug("request %s: prefilled via replica %s, decoded here", request.request_id, prefilled.entry_replica)
             gen = self._pull_decode(request, raw_request_info, endpoint, prefilled.kv_transfer_params)
@@ -234,10 +242,17 @@ class DecodeServer(PDDecodeServer):
         started, first = time.monotonic(), None
         try:
             async for chunk in gen:
-                if first is None:
+                if first is None and not isinstance(chunk, Prefilled):
                     first = time.monotonic() - started
+                    timeline.stamp(FIRST_TOKEN, time.time())
+                    timeline.route = route.prefill
+                    if not timeline.stream and not isinstance(chunk, ErrorResponse):
+                        yield timeline  # the ingress reads it before the response it answers with
                 yield chunk
+            if timeline.stream and first is not None:
+                yield timeline  # at the end: nothing waits for it
         finally:
+            self._timelines.pop(request.request_id, None)
             self._ongoing -= 1
             self._tokens_in_flight -= cost
             self._metrics.load(self._ongoing, self._tokens_in_flight)
@@ -340,6 +355,9 @@ class DecodeServer(PDDecodeServer):
         prefill_request = backend.prepare_prefill_request(request=request, peer=None)
         if history is not None:
             prefill_request.kv_transfer_params = history
+        timeline = self._timelines.get(request.request_id)
+        if timeline is not None:
+            timeline.stamp(LEGS_SENT, time.time())
         prefill = getattr(self._prefill_handle, endpoint).remote(prefill_request, raw_request_info)
         try:
             answer = await asyncio.wait_for(prefill.__anext__(), self._prefill_timeout_s)
@@ -351,8 +369,14 @@ class DecodeServer(PDDecodeServer):
             return
         async for _ in prefill:  # one token: let the response complete
             pass
+        params = dict(answer.kv_transfer_params or {})
+        report = params.pop(STAGES_KEY, None)
+        if timeline is not None:
+            timeline.stamp(PREFILL_ANSWERED, time.time())
+            timeline.add_prefill_report(report)
+        answer.kv_transfer_params = params
         if hand_off:
-            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id)
+            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id, dict(timeline.stamps) if timeline else {})
             return
         async for chunk in self._pull_decode(request, raw_request_info, endpoint, answer.kv_transfer_params, keep):
             yield chunk
@@ -379,8 +403,11 @@ class DecodeServer(PDDecodeServer):
         a deadline; this one gives the prefill leg ``prefill_timeout_s`` and raises
         :class:`HandoffFailed` if it fails or times out before decode's first chunk. Once
         decode produced a chunk its KV has arrived, and a later prefill failure is moot."""
+        timeline = self._timelines.get(decode_request.request_id)
+        if timeline is not None:
+            timeline.stamp(LEGS_SENT, time.time())
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
-        prefill.add_done_callback(lambda task: self._keep_reuse_report(decode_request.request_id, task))
+        prefill.add_done_callback(lambda task: self._prefill_done(decode_request.request_id, task))
         decode = await getattr(LLMServer, method)(self, decode_request, raw_request_info)
         chunks = decode.__aiter__()
         next_chunk = asyncio.ensure_future(chunks.__anext__())
@@ -421,11 +448,18 @@ class DecodeServer(PDDecodeServer):
                 self._late_prefills.add(prefill)
                 prefill.add_done_callback(self._late_prefills.discard)
 
-    def _keep_reuse_report(self, request_id: str, prefill: asyncio.Task) -> None:
-        # Only conversation turns still in flight have an entry (see _serve / _end_turn).
-        if request_id not in self._reuse_reports or prefill.cancelled() or prefill.exception() is not None:
+    def _prefill_done(self, request_id: str, prefill: asyncio.Task) -> None:
+        """Push: keep what prefill's response reports (reuse; the engine's stage stamps)."""
+        if prefill.cancelled() or prefill.exception() is not None:
             return
-        self._reuse_reports[request_id] = prefill.result()[1]
+        params = prefill.result()[1] or {}
+        timeline = self._timelines.get(request_id)
+        if timeline is not None:
+            timeline.stamp(PREFILL_ANSWERED, time.time())
+            timeline.add_prefill_report(params.get(STAGES_KEY))
+        # Only conversation turns still in flight have an entry (see _serve / _end_turn).
+        if request_id in self._reuse_reports:
+            self._reuse_reports[request_id] = params.get(REUSE_REPORT_KEY)
 
     def _prompt_token_ids(self, request) -> list[int] | None:
         return prompt_token_ids(self._tokenizer, request)
@@ -553,7 +587,7 @@ def _server_error(chunk: Any) -> str | None:
 
 
 async def _drain_prefill(prefill_resp) -> tuple[ErrorResponse | None, dict | None]:
-    """Consume a push-mode prefill response: (its error, if any; its reuse report, if any).
+    """Consume a push-mode prefill response: (its error, if any; its kv_transfer_params).
     Ray's ``_drain_prefill`` does the same but drops the response's kv_transfer_params."""
     last = None
     try:
@@ -565,8 +599,7 @@ async def _drain_prefill(prefill_resp) -> tuple[ErrorResponse | None, dict | Non
         last = await prefill_resp
         if isinstance(last, ErrorResponse):
             return last, None
-    params = getattr(last, "kv_transfer_params", None) or {}
-    return None, params.get(REUSE_REPORT_KEY)
+    return None, getattr(last, "kv_transfer_params", None) or {}
 
 
 def _prefill_failure(prefill: asyncio.Task) -> str | None:

@@ -36,6 +36,9 @@ WRITE_MARGIN_S = 5.0
 REUSE_KEY = "rendezvous_reuse"
 # What prefill did about reuse, in the kv_transfer_params of its response.
 REUSE_REPORT_KEY = "rendezvous_reuse_report"
+# When the prefill engine had a leg (wall clock, seconds): its arrival at the engine, first
+# scheduled, finished. In the kv_transfer_params of prefill's response (connector/stages.py).
+STAGES_KEY = "rendezvous_stages"
 # vLLM's own kv_connector_extra_config key: fewer reusable tokens than this are recomputed.
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
 # How long prefill waits for decode's offer before it computes the whole prompt.

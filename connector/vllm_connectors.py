@@ -20,8 +20,9 @@ those processes, so it asks the kernel to send SIGTERM when the parent goes away
 And they keep NIXL's UCX progress thread from busy-polling a core per engine
 (``connector.nixl_progress``; UCX-only agents).
 
-Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``) and
-reuse of a conversation's history held by decode (``connector.push_reuse``). Pull only:
+Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``),
+reuse of a conversation's history held by decode (``connector.push_reuse``), and engines
+that sleep instead of stepping while they only wait for KV (``connector.idle_wait``). Pull only:
 vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``).
 """
 
@@ -40,10 +41,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPushConnector,
 )
 
+from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_TIMEOUT_KEY
 from connector.pull_history import HistoryPullScheduler
-from connector.push_reuse import ReuseScheduler, ReuseWorker
+from connector.stages import StageClock
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
@@ -79,6 +81,14 @@ def _calm_ucx_progress(vllm_config) -> None:
     calm_progress_threads(extra.get("backends") or ["UCX"])  # vLLM's default backend list
 
 
+class PushScheduler(StageClock, IdleScheduler):
+    pass
+
+
+class PullScheduler(StageClock, HistoryPullScheduler):
+    pass
+
+
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
@@ -90,9 +100,10 @@ class RendezvousPushConnector(NixlPushConnector):
         # Swapped in rather than constructed: vLLM builds its own scheduler and worker in
         # __init__, and building a second NIXL worker would open a second agent.
         if self.connector_scheduler is not None:
-            self.connector_scheduler.__class__ = ReuseScheduler
+            self.connector_scheduler.__class__ = PushScheduler
             self.connector_scheduler._kv_timeout_s = float(timeout_s) if timeout_s else None
             self.connector_scheduler.init_reuse()
+            self.connector_scheduler.init_idle(vllm_config)
         if self.connector_worker is not None:
             if getattr(self.connector_worker, "_is_hma_required", False):
                 # vLLM reports no invalid blocks for multi-group KV: a failed load would look
@@ -100,9 +111,10 @@ class RendezvousPushConnector(NixlPushConnector):
                 # offers no history for such models (see connector.push_reuse).
                 logger.warning("%s and history reuse off: the model has several KV cache groups", KV_TIMEOUT_KEY)
             else:
-                self.connector_worker.__class__ = ReuseWorker
+                self.connector_worker.__class__ = IdleWorker
                 self.connector_worker._recv_expiry = {}
                 self.connector_worker.init_reuse()
+                self.connector_worker.init_idle()
 
     def build_connector_worker_meta(self):
         build = getattr(self.connector_worker, "build_connector_worker_meta", None)
@@ -116,4 +128,4 @@ class RendezvousPullConnector(NixlPullConnector):
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:  # swapped in, as for push above
-            self.connector_scheduler.__class__ = HistoryPullScheduler
+            self.connector_scheduler.__class__ = PullScheduler

@@ -5,6 +5,7 @@ serve`` ended every process it started, vLLM engines included, and freed every p
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import csv
 import itertools
 import json
@@ -16,13 +17,16 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import openai
+import psutil
 import pytest
 
 from app.model_source import resolve_model_source
 from app.procs import BASE_URL, engine_processes
+from app.timeline import LOG_MARKER, RequestTimeline
 from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced
 from bench.openloop import body_for
@@ -69,6 +73,74 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
 
 def test_kv_was_pushed_by_prefill_not_recomputed_by_decode(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identical(client, reference):
+    """connector.idle_wait: decode's engine waits for pushed KV without stepping. One long
+    prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
+    worker, from /proc) from the request to its first chunk: a ratio, so it holds on a
+    slower or faster box. Before the wait, decode's engine took about as much CPU as
+    prefill's (0.7 of a core polling)."""
+    case = Case("completion-3k", prompt=long_text(250))
+    expected = case.reference(reference)  # computed first: the reference engine shares the box
+    assert len(expected.prompt_ids) > 2500
+    prefill, decode = engine_processes("Prefill"), engine_processes("Decode")
+    assert prefill and decode
+    before = _cpu_seconds(prefill), _cpu_seconds(decode)
+    with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        prefill_cpu, decode_cpu = _cpu_seconds(prefill) - before[0], _cpu_seconds(decode) - before[1]
+        text = read_stream(SimpleNamespace(iter_lines=lambda: itertools.chain([first], lines)))
+    assert text == expected.text, f"{text!r} != {expected.text!r}"
+    print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk: prefill engine {prefill_cpu:.2f} CPU s, "
+          f"decode engine {decode_cpu:.2f}")
+    assert decode_cpu < 0.2 * prefill_cpu, f"decode used {decode_cpu:.2f} CPU s while prefill used {prefill_cpu:.2f}"
+
+
+def test_every_stage_of_a_request_is_timed_in_order(client):
+    """app.timeline: each request's stamps in the order it passes them (one host, one
+    clock), one log line per request, and the stage histogram on a live scrape."""
+    for stream in (False, True):
+        r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
+        assert r.status_code == 200
+    order = ["arrived", "decode_received", "legs_sent", "prefill_queued", "prefill_started", "prefill_finished",
+             "first_token", "first_chunk"]
+    deadline = time.monotonic() + 30
+    while len(timelines := _timelines(client, route="remote")) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(timelines) >= 2, "no timeline lines in the app log"
+    for timeline in timelines[-2:]:
+        stamps = [timeline.stamps.get(name) for name in order]
+        assert None not in stamps, timeline
+        assert stamps == sorted(stamps), f"stamps out of order: {timeline.stamps}"
+        assert timeline.stamps["prefill_finished"] <= timeline.stamps["prefill_answered"]
+    stages = {}
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not {"ttft", "handoff", "prefill_compute", "deliver"} <= set(stages):
+        stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
+                  if name == "ray_rendezvous_stage_seconds_count" and labels.get("mode") == "push"}
+        time.sleep(1)
+    assert {"route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "handoff", "deliver", "ttft"} <= set(stages)
+    sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
+            if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
+    assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]
+
+
+def _timelines(client, route: str) -> list[RequestTimeline]:
+    lines = client.app.log_path.read_text(errors="replace").splitlines()
+    found = [RequestTimeline.from_log_line(line) for line in lines if LOG_MARKER in line]
+    return [t for t in found if t is not None and t.route == route]
 
 
 def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):

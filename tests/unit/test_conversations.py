@@ -207,6 +207,7 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     server._mode, server._local_below, server._isolate_uncached = "push", 64, False
     server._late_binding, server._replica_id = False, "decode-1"
     server._conversations, server._reuse_reports = ConversationTable(retention_s=100), {}
+    server._timelines = {}
     server._ongoing = server._tokens_in_flight = 0
     prompts = iter([900, 900 + new_user_tokens])
     server._prompt_token_ids = lambda request: [0] * next(prompts)

@@ -39,6 +39,7 @@ def _server(monkeypatch, *, decode_after_s: float = 0.0, decode_chunks=("d1", "d
     server._prefill_timeout_s = timeout_s
     server._late_prefills = set()
     server._reuse_reports = {}
+    server._timelines = {}
     server.decode_closed, server.local_requests = [], []
 
     async def engine_completions(self, request, raw=None):

@@ -191,6 +191,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     server._prompt_token_ids = lambda request: [0] * prompt_tokens
     server._max_model_len = lambda: 4096
     server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
+    server._timelines = {}
     server._upstream_history = False
     server._ongoing = server._tokens_in_flight = 0
     server._metrics = types.SimpleNamespace(
@@ -209,11 +210,18 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
     return server
 
 
-def _drain(server, method, *args):
+def _drain(server, method, *args, timelines=None):
+    """The chunks a request yields, as the ingress passes them on: without the request's
+    timeline (appended to ``timelines`` if given)."""
+    from app.timeline import RequestTimeline
+
     async def go():
         return [chunk async for chunk in await getattr(server, method)(*args)]
 
-    return asyncio.run(go())
+    chunks = asyncio.run(go())
+    if timelines is not None:
+        timelines.extend(c for c in chunks if isinstance(c, RequestTimeline))
+    return [c for c in chunks if not isinstance(c, RequestTimeline)]
 
 
 def test_decode_server_gives_each_request_a_fresh_transfer_id():
@@ -614,6 +622,53 @@ def test_vllm_push_internals_our_overrides_use():
     assert "self.connector_scheduler = NixlPushConnectorScheduler(" in init
     assert "self.connector_worker = NixlPushConnectorWorker(" in init
     assert KVTransferConfig(kv_load_failure_policy="recompute").kv_load_failure_policy == "recompute"
+
+
+def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
+    """connector.idle_wait: where the engine core sleeps, what wakes it, what it reads."""
+    import queue
+
+    from vllm.distributed.device_communicators import shm_broadcast
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import push_scheduler, push_worker
+    from vllm.v1.core.sched import scheduler
+    from vllm.v1.engine import core
+    from vllm.v1.executor import multiproc_executor
+    from vllm.v1.request import Request
+
+    from connector.idle_wait import IdleScheduler, IdleWorker
+    from connector.stages import StageClock
+
+    # The input queue exists before the engine core builds its scheduler (and our connector).
+    init = inspect.getsource(core.EngineCoreProc.__init__)
+    assert 0 <= init.index("self.input_queue = queue.Queue") < init.index("super().__init__("), "input_queue moved"
+    assert "self.input_queue.put_nowait(" in inspect.getsource(core.EngineCoreProc)  # every input: hooked via put
+    assert "self.put(item, block=False)" in inspect.getsource(queue.Queue.put_nowait)
+    assert issubclass(core.DPEngineCoreProc, core.EngineCoreProc)  # data parallel: never waits
+    assert "KVConnectorFactory.create_connector(" in inspect.getsource(scheduler.Scheduler.__init__)
+    assert "self.requests: dict[str, Request] = {}" in inspect.getsource(scheduler.Scheduler.__init__)
+    assert "total_num_scheduled_tokens" in inspect.getsource(scheduler.Scheduler.schedule)
+    assert "self.arrival_time" in inspect.getsource(Request.__init__)  # prefill's "queued" stamp
+    # The worker's RPC reader spins for busy_loop_s after each message, then waits on a socket.
+    assert "current_time <= self.last_read + self.busy_loop_s" in inspect.getsource(shm_broadcast.SpinCondition.wait)
+    assert "self._spin_condition = SpinCondition(" in inspect.getsource(shm_broadcast.MessageQueue.__init__)
+    assert "self._execute_worker_rpc(self.rpc_broadcast_mq.dequeue(" in inspect.getsource(multiproc_executor.WorkerProc)
+    # The writer thread: an untimed wait on the wake event; completion notifications forwarded by put.
+    loop = inspect.getsource(push_worker.NixlPushConnectorWorker._push_writer_loop)
+    assert "self._push_writer_wake.wait()" in loop and "self._pending_completion_notifs.put(notif)" in loop
+    for name in ("_push_registration_deadlines", "_finished_request_blocks"):
+        assert f"self.{name}" in inspect.getsource(push_scheduler.NixlPushConnectorScheduler), name
+    overrides = [
+        (IdleScheduler, push_scheduler.NixlPushConnectorScheduler, "build_connector_meta"),
+        (IdleWorker, push_worker.NixlPushConnectorWorker, "start_load_kv"),
+        (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_push_reg_notif"),
+        (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_failed_transfer"),
+        (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_state_after_alloc"),
+        (StageClock, push_scheduler.NixlPushConnectorScheduler, "request_finished"),
+    ]
+    for ours, upstream, method in overrides:
+        assert list(inspect.signature(getattr(ours, method)).parameters) == list(
+            inspect.signature(getattr(upstream, method)).parameters
+        ), f"{upstream.__name__}.{method} changed"
 
 
 def test_vllm_pull_read_back_internals_we_rely_on():

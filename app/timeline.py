@@ -1,0 +1,93 @@
+"""Where a request's time to first token went: one timeline per request (pure).
+
+Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival,
+first chunk out), the decode replica (received, legs sent, prefill's answer in, first
+token out of its engine) and the prefill engine (the leg queued, started, finished:
+``connector.stages``, in prefill's response). The decode replica sends its stamps to the
+ingress at the end of a stream (before the response when not streamed) as a
+:class:`RequestTimeline`; the ingress adds its own, exports each stage's duration
+(``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line
+(``LOG_MARKER``), which ``python -m bench timeline`` reads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Log lines that carry a timeline start with this, then the JSON.
+LOG_MARKER = "rendezvous_timeline "
+
+# Timestamps in the order a disaggregated request passes them.
+ARRIVED = "arrived"  # ingress: the request came in
+RECEIVED = "decode_received"  # decode replica: the request reached it
+LEGS_SENT = "legs_sent"  # decode replica: prefill leg sent (push: with the decode leg)
+PREFILL_QUEUED = "prefill_queued"  # prefill engine: the leg arrived
+PREFILL_STARTED = "prefill_started"  # prefill engine: the leg was first scheduled
+PREFILL_FINISHED = "prefill_finished"  # prefill engine: its KV computed
+PREFILL_ANSWERED = "prefill_answered"  # decode replica: prefill's response came back
+FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
+FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
+
+# Stage name -> (from, to). A stage is exported when both stamps exist.
+STAGES: dict[str, tuple[str, str]] = {
+    "route": (ARRIVED, RECEIVED),  # decode pick and the hop to the replica
+    "bind": (RECEIVED, LEGS_SENT),  # tokenizing, judging the request, binding a prefill replica
+    "prefill_hop": (LEGS_SENT, PREFILL_QUEUED),  # to the prefill replica and through its serving layer
+    "prefill_queue": (PREFILL_QUEUED, PREFILL_STARTED),  # waiting in the prefill engine
+    "prefill_compute": (PREFILL_STARTED, PREFILL_FINISHED),
+    "handoff": (PREFILL_FINISHED, FIRST_TOKEN),  # KV to decode (WRITE or READ) and decode's first step
+    "local_prefill": (RECEIVED, FIRST_TOKEN),  # decode prefilled it itself (route local/fallback)
+    "deliver": (FIRST_TOKEN, FIRST_CHUNK),  # decode replica -> ingress -> client
+    "ttft": (ARRIVED, FIRST_CHUNK),
+}
+# Stages that only make sense on one kind of route.
+_REMOTE_ONLY = {"bind", "prefill_hop", "prefill_queue", "prefill_compute", "handoff"}
+_LOCAL_ONLY = {"local_prefill"}
+
+
+@dataclass
+class RequestTimeline:
+    """The stamps of one request (decode replica -> ingress, in the response stream)."""
+
+    request_id: str
+    mode: str  # push | pull
+    route: str  # remote | local | fallback
+    stream: bool
+    stamps: dict[str, float] = field(default_factory=dict)
+
+    def stamp(self, name: str, at: float) -> None:
+        self.stamps.setdefault(name, at)  # the first time counts
+
+    def add_prefill_report(self, report: dict[str, Any] | None) -> None:
+        """The prefill engine's own stamps (``connector.stages``), if it sent them."""
+        for name, key in ((PREFILL_QUEUED, "queued"), (PREFILL_STARTED, "started"), (PREFILL_FINISHED, "finished")):
+            value = (report or {}).get(key)
+            if isinstance(value, (int, float)):
+                self.stamp(name, float(value))
+
+    def stages(self) -> dict[str, float]:
+        """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""
+        out = {}
+        for name, (start, end) in STAGES.items():
+            if self.route == "remote" and name in _LOCAL_ONLY or self.route != "remote" and name in _REMOTE_ONLY:
+                continue
+            if start in self.stamps and end in self.stamps:
+                out[name] = max(0.0, self.stamps[end] - self.stamps[start])
+        return out
+
+    def to_log_line(self) -> str:
+        return LOG_MARKER + json.dumps({**asdict(self), "stages": self.stages()}, sort_keys=True)
+
+    @classmethod
+    def from_log_line(cls, line: str) -> RequestTimeline | None:
+        at = line.find(LOG_MARKER)
+        if at < 0:
+            return None
+        try:
+            raw = json.loads(line[at + len(LOG_MARKER):])
+        except ValueError:
+            return None
+        raw.pop("stages", None)
+        return cls(**raw)

@@ -1,0 +1,252 @@
+"""Engines that wait for pushed KV without stepping (vLLM-side; imports neither Ray nor ``app``).
+
+vLLM 0.29's engine loop keeps stepping while a request waits for remote KV: each empty
+step is a schedule, an RPC to the worker process and back, then 1 ms of sleep. The
+worker process, woken that often, never leaves the busy loop of its RPC queue (vLLM's
+``SpinCondition`` spins for a second after each message). A decode engine waiting for a
+long prefill's push used 0.7 of a core doing that; on a 2-core box, that core is taken
+from the prefill engine it is waiting for.
+
+Here the engine core sleeps instead, inside the scheduler's ``build_connector_meta``
+(before the step's RPC), when the step computes nothing, ships nothing to the worker,
+and every unfinished request waits for remote KV. It wakes on:
+
+* any engine input (a new request, an abort, a utility call): a hook on the engine
+  core's input queue, so they wait for nothing;
+* a worker event: pushed KV landed (a completion notification), a registration arrived
+  (prefill), a transfer failed. The worker sends a datagram to an abstract UNIX socket
+  named after the engine (same host, same network namespace);
+* a cap: :data:`WAIT_CAP_S` when everything awaited is signalled, :data:`POLL_CAP_S` when
+  something is not (a WRITE or READ this engine started completes silently). Deadlines
+  (``connector.push_deadline``) are checked on each wake, so they fire at most a cap late.
+
+While receives are due, the worker's ``nixl-push-writer`` thread drains NIXL notifications
+every :data:`NOTIF_POLL_S` itself (upstream, only engine steps make it drain them), and a
+step that computed nothing lets the worker's RPC reader wait on its socket instead of
+spinning. Never with data parallel > 1 (ranks step together) or pipeline batch queues:
+there the engine steps as upstream does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import socket
+import sys
+import threading
+from typing import Any
+
+from vllm.v1.request import RequestStatus
+
+from connector.push_reuse import ReuseScheduler, ReuseWorker
+
+logger = logging.getLogger("vllm.rendezvous")
+
+# Set on the connector metadata of a step that scheduled nothing (scheduler -> worker).
+IDLE_ATTR = "rendezvous_idle"
+# Longest sleep while everything awaited wakes us (a bound on anything we missed).
+WAIT_CAP_S = 0.1
+# Longest sleep while something awaited completes without a signal (our own WRITE or READ).
+POLL_CAP_S = 0.01
+# How often the writer thread drains NIXL notifications while pushed KV is due.
+NOTIF_POLL_S = 0.004
+
+
+def wake_address(engine_id: str, dp_rank: int) -> bytes:
+    """Abstract UNIX socket name of one engine's wake channel (hashed: names are short)."""
+    digest = hashlib.sha1(f"{engine_id}:{dp_rank}".encode()).hexdigest()[:24]
+    return b"\0rendezvous-wake-" + digest.encode()
+
+
+def idle_wait_s(statuses_and_pushed: list[tuple[RequestStatus, bool]], pending_push_work: bool) -> float | None:
+    """How long an engine that computed nothing this step may sleep, or None (step on).
+
+    ``statuses_and_pushed``: each request the scheduler holds, with whether its KV is
+    pushed to this engine (decode in push mode). ``pending_push_work``: this engine has
+    WRITEs to start or finish (prefill)."""
+    unfinished = [(s, pushed) for s, pushed in statuses_and_pushed if not RequestStatus.is_finished(s)]
+    if any(s != RequestStatus.WAITING_FOR_REMOTE_KVS for s, _ in unfinished):
+        return None  # something can run (or waits on a thing we do not watch: grammar, streaming input)
+    if not unfinished and not pending_push_work:
+        return None  # nothing awaited: vLLM's own loop blocks on its input queue
+    if pending_push_work or not all(pushed for _, pushed in unfinished):
+        return POLL_CAP_S
+    return WAIT_CAP_S
+
+
+def ships_work(meta: Any, scheduler_output: Any) -> bool:
+    """True if this step's RPC carries something the worker must act on now."""
+    return bool(
+        scheduler_output.finished_req_ids
+        or meta.reqs_to_recv or meta.reqs_to_send or meta.reqs_not_processed
+        or meta.push_registrations or meta.push_finished_blocks or meta.heartbeat_by_engine
+    )
+
+
+def stack_self(match) -> Any:
+    """The nearest ``self`` up the caller's stack that ``match`` accepts. vLLM builds our
+    connector from inside its engine core and calls the worker from inside its RPC loop;
+    it passes neither object down."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if candidate is not None and match(candidate):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+class EngineWake:
+    """In the engine core process: an event set by engine input or a worker's datagram."""
+
+    def __init__(self, input_queue: queue.Queue, address: bytes):
+        self._event = threading.Event()
+        self.armed = False  # a worker of ours has reached us: it will wake us when KV lands
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.bind(address)
+        put = input_queue.put
+
+        def put_and_wake(item, block=True, timeout=None):  # put_nowait calls self.put too
+            put(item, block, timeout)
+            self._event.set()
+
+        input_queue.put = put_and_wake
+        threading.Thread(target=self._listen, name="rendezvous-wake", daemon=True).start()
+
+    def _listen(self) -> None:
+        while True:
+            try:
+                self._socket.recv(16)
+            except OSError:
+                return
+            self.armed = True
+            self._event.set()
+
+    def wait(self, timeout: float) -> bool:
+        woken = self._event.wait(timeout)
+        self._event.clear()  # after, not before: a wake that came in between ends this wait early
+        return woken
+
+    @classmethod
+    def for_this_engine(cls, vllm_config, engine_id: str) -> EngineWake | None:
+        from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+
+        parallel = vllm_config.parallel_config
+        core = stack_self(lambda obj: isinstance(obj, EngineCoreProc))
+        if core is None or isinstance(core, DPEngineCoreProc) or parallel.data_parallel_size > 1:
+            logger.info("engine steps while it waits for KV (no engine core process here, or data parallel)")
+            return None
+        try:
+            return cls(core.input_queue, wake_address(engine_id, parallel.data_parallel_rank))
+        except OSError as exc:
+            logger.warning("engine steps while it waits for KV: no wake channel (%s)", exc)
+            return None
+
+
+class WorkerWake:
+    """In a worker process: wakes its engine core, and lets the worker's RPC reader wait on
+    its socket rather than spin after a step that computed nothing."""
+
+    def __init__(self, engine_id: str, dp_rank: int):
+        self._address = wake_address(engine_id, dp_rank)
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setblocking(False)
+        self._spin = None  # the SpinCondition of the multiprocessing executor's RPC queue
+        self._spin_busy_s = None
+        self._looked = False
+
+    def wake(self) -> None:
+        try:
+            self._socket.sendto(b"!", self._address)
+        except OSError:  # no engine core listening (another executor, another host): it steps
+            pass
+
+    def idle(self, idle: bool) -> None:
+        if not self._looked:
+            self._looked = True
+            worker_proc = stack_self(lambda obj: hasattr(obj, "rpc_broadcast_mq"))
+            self._spin = getattr(getattr(worker_proc, "rpc_broadcast_mq", None), "_spin_condition", None)
+            self._spin_busy_s = getattr(self._spin, "busy_loop_s", None)
+            self.wake()  # first contact arms the engine core's waiting
+        if self._spin is not None and self._spin_busy_s is not None:
+            self._spin.busy_loop_s = 0.0 if idle else self._spin_busy_s
+
+
+
+class _PollWhileDue(threading.Event):
+    """The writer thread's wake event: its untimed waits become :data:`NOTIF_POLL_S` polls
+    while ``due()`` (pushed KV expected), so notifications are drained with the engine asleep."""
+
+    def __init__(self, due):
+        super().__init__()
+        self._due = due
+
+    def wait(self, timeout=None):
+        if timeout is None and self._due():
+            timeout = NOTIF_POLL_S
+        return super().wait(timeout)
+
+
+class _WakingQueue(queue.Queue):
+    """Completion notifications forwarded by the writer thread; each one wakes the engine."""
+
+    def __init__(self, wake, writer):
+        super().__init__()
+        self._wake, self._writer = wake, writer
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        if threading.current_thread() is self._writer():  # the main thread re-queues some
+            self._wake()
+
+
+class IdleScheduler(ReuseScheduler):
+    """Sleeps the engine core through steps that can only wait (see the module docstring)."""
+
+    _wake: EngineWake | None = None
+    _scheduler: Any = None
+
+    def init_idle(self, vllm_config) -> None:
+        from vllm.v1.core.sched.interface import SchedulerInterface
+
+        self._scheduler = stack_self(lambda obj: isinstance(obj, SchedulerInterface))
+        self._wake = EngineWake.for_this_engine(vllm_config, self.engine_id) if self._scheduler is not None else None
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        setattr(meta, IDLE_ATTR, idle)
+        if idle and self._wake is not None and self._wake.armed and not ships_work(meta, scheduler_output):
+            # Decode's registrations that await a push (vLLM clears do_remote_prefill once sent).
+            awaited = self._push_registration_deadlines
+            requests = [(r.status, rid in awaited) for rid, r in self._scheduler.requests.items()]
+            timeout = idle_wait_s(requests, bool(self._finished_request_blocks))
+            if timeout is not None:
+                self._wake.wait(timeout)
+        return meta
+
+
+class IdleWorker(ReuseWorker):
+    """Wakes the engine core when something it waits for happens (see the module docstring)."""
+
+    _idle_wake: WorkerWake
+
+    def init_idle(self) -> None:
+        dp_rank = self.vllm_config.parallel_config.data_parallel_rank
+        self._idle_wake = WorkerWake(self.engine_id, dp_rank)
+        self._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata))
+        self._pending_completion_notifs = _WakingQueue(self._idle_wake.wake, lambda: self._push_writer_thread)
+
+    def start_load_kv(self, metadata):
+        self._idle_wake.idle(getattr(metadata, IDLE_ATTR, False))
+        super().start_load_kv(metadata)
+
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        super()._handle_push_reg_notif(notif)
+        self._idle_wake.wake()  # prefill: a registration (its WRITE may start now)
+
+    def _handle_failed_transfer(self, req_id, handle):
+        result = super()._handle_failed_transfer(req_id, handle)
+        self._idle_wake.wake()
+        return result

@@ -1,0 +1,144 @@
+"""Per-request timelines (app.timeline): stages from stamps, the decode replica's part of
+the stream, the ingress completing them, and the prefill engine's own stamps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+from app.timeline import LOG_MARKER, STAGES, RequestTimeline
+from connector.params import STAGES_KEY
+
+REMOTE = {
+    "arrived": 100.0, "decode_received": 100.01, "legs_sent": 100.03, "prefill_queued": 100.04,
+    "prefill_started": 100.1, "prefill_finished": 102.1, "prefill_answered": 102.12, "first_token": 102.3,
+    "first_chunk": 102.31,
+}
+
+
+@pytest.mark.parametrize(
+    "route, stamps, expected",
+    [
+        ("remote", REMOTE, {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06,
+                            "prefill_compute": 2.0, "handoff": 0.2, "deliver": 0.01, "ttft": 2.31}),
+        ("local", {"arrived": 1.0, "decode_received": 1.1, "first_token": 1.6, "first_chunk": 1.7},
+         {"route": 0.1, "local_prefill": 0.5, "deliver": 0.1, "ttft": 0.7}),
+        # Fallback: the prefill leg went out, then decode prefilled it itself.
+        ("fallback", {"arrived": 1.0, "decode_received": 1.1, "legs_sent": 1.2, "first_token": 31.5, "first_chunk": 31.6},
+         {"route": 0.1, "local_prefill": 30.4, "deliver": 0.1, "ttft": 30.6}),
+        # Stamps missing (a prefill engine that sent none): those stages are left out.
+        ("remote", {"arrived": 1.0, "decode_received": 1.1, "first_token": 1.6}, {"route": 0.1}),
+        # Clocks of two hosts a little apart: never a negative duration.
+        ("remote", {"prefill_finished": 5.0, "first_token": 4.99}, {"handoff": 0.0}),
+    ],
+)
+def test_stages_from_stamps(route, stamps, expected):
+    stages = RequestTimeline("r", "push", route, True, dict(stamps)).stages()
+    assert stages == pytest.approx(expected)
+    assert set(stages) <= set(STAGES)
+
+
+def test_the_first_stamp_counts_and_the_prefill_report_is_read_defensively():
+    timeline = RequestTimeline("r", "pull", "remote", False)
+    timeline.stamp("first_token", 2.0)
+    timeline.stamp("first_token", 3.0)
+    timeline.add_prefill_report({"queued": 1.0, "started": None, "finished": "soon"})
+    timeline.add_prefill_report(None)
+    assert timeline.stamps == {"first_token": 2.0, "prefill_queued": 1.0}
+
+
+def test_a_timeline_is_one_log_line_that_reads_back():
+    timeline = RequestTimeline("rdv-1", "push", "remote", True, dict(REMOTE))
+    line = "(ServeReplica:rendezvous:OpenAiIngress pid=1) INFO -- " + timeline.to_log_line()
+    assert line.count("\n") == 0
+    assert json.loads(line.split(LOG_MARKER, 1)[1])["stages"]["handoff"] == pytest.approx(0.2)
+    assert RequestTimeline.from_log_line(line) == timeline
+    assert RequestTimeline.from_log_line("INFO something else") is None
+
+
+def _server_answering(chunks):
+    from tests.unit.test_seams import _decode_server
+
+    server = _decode_server()
+
+    async def remote(request, raw=None):
+        server.seen.append((request, raw))
+        for chunk in chunks:
+            yield chunk
+
+    server._pd_handle_request = remote
+    return server
+
+
+def _all(server, request):
+    async def go():
+        return [c async for c in await server.completions(request)]
+
+    return asyncio.run(go())
+
+
+def test_decode_sends_its_timeline_before_a_whole_response_and_after_a_stream():
+    whole = _all(_server_answering(["response"]), CompletionRequest(model="m", prompt="hi"))
+    assert isinstance(whole[0], RequestTimeline) and whole[1:] == ["response"]
+    assert not whole[0].stream and whole[0].route == "remote"
+    assert whole[0].stamps["decode_received"] <= whole[0].stamps["first_token"]
+
+    streamed = _all(_server_answering(["a", "b"]), CompletionRequest(model="m", prompt="hi", stream=True))
+    assert streamed[:2] == ["a", "b"] and isinstance(streamed[2], RequestTimeline) and streamed[2].stream
+
+
+def test_no_timeline_before_an_error_the_ingress_turns_into_a_status():
+    from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
+
+    error = ErrorResponse(error=ErrorInfo(message="bad", type="BadRequestError", code=400))
+    assert _all(_server_answering([error]), CompletionRequest(model="m", prompt="hi")) == [error]
+
+
+def test_the_ingress_completes_and_records_a_timeline_before_yielding_a_whole_response(monkeypatch):
+    import app.ingress as ingress
+
+    recorded = []
+    monkeypatch.setattr(ingress, "record_timeline", recorded.append)
+    timeline = RequestTimeline("r", "push", "remote", False, {"decode_received": 10.5, "first_token": 11.0})
+
+    async def decode():
+        yield timeline
+        yield "response"
+
+    async def first_only():  # upstream reads one item of a non-streamed response, then stops
+        responses = ingress.timelines_recorded(decode(), arrived=10.0)
+        return await responses.__anext__()
+
+    assert asyncio.run(first_only()) == "response"
+    assert recorded == [timeline]
+    assert timeline.stamps["arrived"] == 10.0 and timeline.stamps["first_chunk"] >= 11.0
+    assert set(timeline.stages()) == {"route", "deliver", "ttft"}  # no prefill stamps came
+
+
+def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
+    from connector.stages import StageClock
+
+    class Upstream:
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            pass
+
+        def request_finished(self, request, block_ids):
+            request.kv_transfer_params = {"do_remote_decode": False}  # vLLM rewrites them
+            return True, {"remote_block_ids": [1]}
+
+    class Scheduler(StageClock, Upstream):
+        pass
+
+    scheduler = Scheduler()
+    leg = SimpleNamespace(request_id="p", arrival_time=50.0, kv_transfer_params={"do_remote_decode": True})
+    scheduler.update_state_after_alloc(leg, None, 0)
+    scheduler.update_state_after_alloc(leg, None, 0)  # a later chunk: the first start counts
+    delay, params = scheduler.request_finished(leg, [[1]])
+    report = params[STAGES_KEY]
+    assert delay and report["queued"] == 50.0 and report["queued"] < report["started"] <= report["finished"]
+    decode_request = SimpleNamespace(request_id="d", arrival_time=1.0, kv_transfer_params={"do_remote_prefill": True})
+    assert STAGES_KEY not in scheduler.request_finished(decode_request, [[1]])[1]
