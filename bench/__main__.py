@@ -6,6 +6,7 @@
   nixl-bandwidth  NIXL WRITE bandwidth vs memcpy on this machine
   soak            mixed traffic for a long while, replicas killed on a timer: nothing lost?
   skew            load-aware vs round-robin decode placement when every other request is long
+  timeline        where each request's time to first token goes, stage by stage, push vs pull
 """
 
 from __future__ import annotations
@@ -74,6 +75,15 @@ def _skew(a: argparse.Namespace) -> int:
     return 1 if any(p.errors for p in report) else 0
 
 
+def _timeline(a: argparse.Namespace) -> int:
+    from bench.timeline import MODES, TimelineLoad, run_timeline
+
+    out = Path(a.out or f"results/timeline-{time.strftime('%Y%m%d-%H%M%S')}")
+    load = TimelineLoad(cycles=a.cycles, long_words=a.long_words, output_len=a.output_len)
+    samples = run_timeline(out, load, {m: MODES[m] for m in (a.mode or MODES)})
+    return 1 if any(s.timeline is None for s in samples) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     from bench.profiles import PROFILES, Mode
 
@@ -130,6 +140,14 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--long-tokens", type=int, default=384)
     s.add_argument("--out", help="report directory (default results/skew-<time>)")
     s.set_defaults(func=_skew)
+
+    s = sub.add_parser("timeline", help="per-request stage waterfall and median stage durations, push vs pull")
+    s.add_argument("--mode", action="append", choices=["push", "pull"], help="only this mode (repeatable)")
+    s.add_argument("--cycles", type=int, default=4, help="cycles of: long prompt, short during its prefill, short alone")
+    s.add_argument("--long-words", type=int, default=1800, help="words of the long prompt (~1.1 tokens each)")
+    s.add_argument("--output-len", type=int, default=8)
+    s.add_argument("--out", help="report directory (default results/timeline-<time>)")
+    s.set_defaults(func=_timeline)
     return p
 
 
