@@ -376,7 +376,8 @@ class DecodeServer(PDDecodeServer):
             timeline.add_prefill_report(report)
         answer.kv_transfer_params = params
         if hand_off:
-            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id, dict(timeline.stamps) if timeline else {})
+            stamps = dict(timeline.stamps) if timeline else {}  # the decoding replica goes on with them
+            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id, stamps)
             return
         async for chunk in self._pull_decode(request, raw_request_info, endpoint, answer.kv_transfer_params, keep):
             yield chunk
