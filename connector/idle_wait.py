@@ -125,7 +125,9 @@ class EngineWake:
 
     def wait(self, timeout: float) -> bool:
         woken = self._event.wait(timeout)
-        self._event.clear()  # after, not before: a wake that came in between ends this wait early
+        # Cleared after the wait: a wake from before it ends it at once, and whatever a wake
+        # lost here announced, the step that follows every wait sees.
+        self._event.clear()
         return woken
 
     @classmethod
