@@ -17,6 +17,7 @@ import json
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -144,9 +145,10 @@ def medians(samples: list[Sample]) -> dict[tuple[str, str], dict[str, float]]:
 
 
 def table(samples: list[Sample]) -> str:
-    names = [n for n in STAGES if any(n in m for m in medians(samples).values())]
+    by_kind = medians(samples)
+    names = [n for n in STAGES if any(n in m for m in by_kind.values())]
     rows = ["| mode | kind | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
-    for (mode, kind), m in medians(samples).items():
+    for (mode, kind), m in by_kind.items():
         rows.append(f"| {mode} | {kind} | " + " | ".join(f"{m[n] * 1000:.0f}" if n in m else "–" for n in names) + " |")
     return "\n".join(rows)
 
@@ -160,7 +162,7 @@ def write_report(samples: list[Sample], out_dir: Path) -> None:
     with open(out_dir / "timeline.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["mode", "kind", "stage", "median_ms", "requests"])
-        counts = {(s.mode, s.kind): sum(1 for t in samples if (t.mode, t.kind) == (s.mode, s.kind) and t.timeline) for s in samples}
+        counts = Counter((s.mode, s.kind) for s in samples if s.timeline is not None)
         for (mode, kind), m in medians(samples).items():
             for stage, seconds in m.items():
                 writer.writerow([mode, kind, stage, round(seconds * 1000, 1), counts[(mode, kind)]])
