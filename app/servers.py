@@ -55,11 +55,13 @@ from connector.params import (
     REUSE_KEY,
     REUSE_REPORT_KEY,
     STAGES_KEY,
+    external_request_id,
     new_transfer_request_id,
     pull_history_params,
     verified_history_tokens,
 )
 from connector.ray_backend import register_backends
+from connector.stages import DecodeKvStamps, listen_for_decode_stamps
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
 
@@ -164,12 +166,18 @@ class DecodeServer(PDDecodeServer):
         self._kept: dict[str, _KeptHistory] = {}  # conversation id -> its last turn's blocks (upstream read-back)
         self._kept_params: dict[str, dict] = {}  # request id -> decode's response params, until the turn ends
         self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
+        self._stamps_socket = listen_for_decode_stamps(self._engine_stamped)
 
     async def chat(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "chat")
 
     async def completions(self, request, raw_request_info=None):
         return self._serve(request, raw_request_info, "completions")
+
+    def _engine_stamped(self, stamps: DecodeKvStamps) -> None:
+        timeline = self._timelines.get(external_request_id(stamps.request_id))
+        if timeline is not None:
+            timeline.add_decode_kv_stamps(stamps.requested, stamps.landed)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         # Serve calls this every routing.stats_period_s; re-setting the load gauges here keeps

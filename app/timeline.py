@@ -2,8 +2,9 @@
 
 Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival,
 first chunk out), the decode replica (received, legs sent, prefill's answer in, first
-token out of its engine) and the prefill engine (the leg queued, started, finished:
-``connector.stages``, in prefill's response). The decode replica sends its stamps to the
+token out of its engine), the prefill engine (the leg queued, started, finished: in
+prefill's response) and the decode engine (KV asked for and landed: a datagram to its
+replica); see ``connector.stages``. The decode replica sends its stamps to the
 ingress at the end of a stream (before the response when not streamed) as a
 :class:`RequestTimeline`; the ingress adds its own, exports each stage's duration
 (``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line
@@ -27,6 +28,8 @@ PREFILL_QUEUED = "prefill_queued"  # prefill engine: the leg arrived
 PREFILL_STARTED = "prefill_started"  # prefill engine: the leg was first scheduled
 PREFILL_FINISHED = "prefill_finished"  # prefill engine: its KV computed
 PREFILL_ANSWERED = "prefill_answered"  # decode replica: prefill's response came back
+KV_REQUESTED = "kv_requested"  # decode engine: blocks allocated (push: registered with prefill; pull: READ started)
+KV_LANDED = "kv_landed"  # decode engine: the KV is all there
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
 FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
 
@@ -37,14 +40,19 @@ STAGES: dict[str, tuple[str, str]] = {
     "prefill_hop": (LEGS_SENT, PREFILL_QUEUED),  # to the prefill replica and through its serving layer
     "prefill_queue": (PREFILL_QUEUED, PREFILL_STARTED),  # waiting in the prefill engine
     "prefill_compute": (PREFILL_STARTED, PREFILL_FINISHED),
-    "handoff": (PREFILL_FINISHED, FIRST_TOKEN),  # KV to decode (WRITE or READ) and decode's first step
+    "register": (LEGS_SENT, KV_REQUESTED),  # push: decode leg into decode's engine, blocks registered
+    "handoff": (PREFILL_FINISHED, FIRST_TOKEN),  # KV to decode (WRITE or READ) and decode's first step:
+    "transfer": (PREFILL_FINISHED, KV_LANDED),  # ... push: WRITE; pull: answer to decode, READ
+    "first_step": (KV_LANDED, FIRST_TOKEN),  # ... decode's first step, its output to the replica
     "local_prefill": (RECEIVED, FIRST_TOKEN),  # decode prefilled it itself (route local/fallback)
     "deliver": (FIRST_TOKEN, FIRST_CHUNK),  # decode replica -> ingress -> client
     "ttft": (ARRIVED, FIRST_CHUNK),
 }
 # Stages that only make sense on one kind of route.
-_REMOTE_ONLY = {"bind", "prefill_hop", "prefill_queue", "prefill_compute", "handoff"}
+_REMOTE_ONLY = {"bind", "prefill_hop", "prefill_queue", "prefill_compute", "register", "handoff", "transfer", "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
+# Pull registers nothing: its blocks are allocated after prefill answered.
+_MODE_ONLY = {"register": "push"}
 
 
 @dataclass
@@ -67,11 +75,18 @@ class RequestTimeline:
             if isinstance(value, (int, float)):
                 self.stamp(name, float(value))
 
+    def add_decode_kv_stamps(self, requested: float, landed: float) -> None:
+        """The decode engine's own stamps (``connector.stages.DecodeKvStamps``)."""
+        self.stamp(KV_REQUESTED, requested)
+        self.stamp(KV_LANDED, landed)
+
     def stages(self) -> dict[str, float]:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""
         out = {}
         for name, (start, end) in STAGES.items():
             if self.route == "remote" and name in _LOCAL_ONLY or self.route != "remote" and name in _REMOTE_ONLY:
+                continue
+            if _MODE_ONLY.get(name, self.mode) != self.mode:
                 continue
             if start in self.stamps and end in self.stamps:
                 out[name] = max(0.0, self.stamps[end] - self.stamps[start])

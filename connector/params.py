@@ -7,6 +7,7 @@ connectors (see ``tests/unit/test_params.py`` for the seam).
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -85,6 +86,16 @@ def new_transfer_request_id() -> str:
 def engine_request_id(endpoint: str, request_id: str) -> str:
     """The id the engine uses internally for ``request_id`` on ``endpoint``."""
     return _ENDPOINT_PREFIX[endpoint] + request_id
+
+
+def external_request_id(engine_request_id: str) -> str:
+    """The id an engine request had outside the engine: without the endpoint's prefix and,
+    for completions, without the prompt's index that vLLM appends (``-0``: we send one)."""
+    for endpoint, prefix in _ENDPOINT_PREFIX.items():
+        if engine_request_id.startswith(prefix):
+            rest = engine_request_id[len(prefix):]
+            return re.sub(r"-\d+$", "", rest) if endpoint == "completions" else rest
+    return engine_request_id
 
 
 def push_prefill_params(reuse: bool = False) -> dict[str, Any]:

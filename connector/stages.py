@@ -1,44 +1,145 @@
-"""When the prefill engine queued, started and finished a leg (vLLM-side; no Ray, no ``app``).
+"""What the engines see of a request's stages (vLLM-side; no Ray, no ``app``).
 
 The orchestrator times every stage of a request it can see (app/timeline.py); what
-happens inside the prefill engine it cannot. Prefill's connector scheduler sees it: the
-request's arrival at the engine (``Request.arrival_time``, stamped by vLLM's frontend),
-its first allocation (scheduled to compute) and its finish. They travel back in the
-``kv_transfer_params`` of prefill's response under ``STAGES_KEY``, as the reuse report does.
+happens inside the engines it cannot. Their connector schedulers see it:
+
+* prefill: the leg's arrival at the engine (``Request.arrival_time``, stamped by vLLM's
+  frontend), its first allocation (scheduled to compute) and its finish. They travel back
+  in the ``kv_transfer_params`` of prefill's response under ``STAGES_KEY``, as the reuse
+  report does.
+* decode: when the request's blocks were allocated for remote KV (push: registered with
+  prefill; pull: its READ started) and when the KV had landed (the worker reported the
+  receive complete). Decode's response carries no params when streamed, so these go to the
+  engine's parent process (the serving replica) as one datagram per request, on an
+  abstract UNIX socket named after that process (:func:`stamps_address`); a replica that
+  does not listen loses nothing but the stamps.
+
 Wall clock: the orchestrator compares them with its own stamps (same host, or NTP).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
+import os
+import socket
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from connector.params import STAGES_KEY
 
+logger = logging.getLogger("vllm.rendezvous")
+
+
+@dataclass(frozen=True)
+class DecodeKvStamps:
+    """Decode engine -> its replica: when one request's remote KV was asked for and landed."""
+
+    request_id: str  # the engine's id (connector.params.external_request_id gives the replica's)
+    requested: float  # push: blocks registered with prefill; pull: READ started
+    landed: float  # the worker reported the receive complete
+
+    def to_wire(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_wire(cls, data: bytes) -> DecodeKvStamps | None:
+        try:
+            raw = json.loads(data)
+            return cls(str(raw["request_id"]), float(raw["requested"]), float(raw["landed"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def stamps_address(replica_pid: int) -> bytes:
+    """Abstract UNIX socket on which the serving process ``replica_pid`` hears its engine."""
+    return b"\0rendezvous-stamps-%d" % replica_pid
+
 
 class StageClock:
-    """Mixin for prefill's connector scheduler (push or pull); put before vLLM's class."""
+    """Mixin for the connector scheduler (push or pull, either role); put before vLLM's class."""
 
-    def _stage_starts(self) -> dict[str, float]:
-        return self.__dict__.setdefault("_rendezvous_started", {})  # swapped in: no __init__ ran
+    def _state(self) -> dict[str, Any]:
+        # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
+        # requested: decode request -> blocks allocated for remote KV.
+        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "socket": None})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        decode_leg = _is_decode_leg(request)  # before vLLM clears the flag
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if _is_prefill_leg(request):
-            self._stage_starts().setdefault(request.request_id, time.time())
+            self._state()["started"].setdefault(request.request_id, time.time())
+        elif decode_leg and num_external_tokens > 0:
+            self._state()["requested"].setdefault(request.request_id, time.time())
+
+    def update_connector_output(self, connector_output):
+        super().update_connector_output(connector_output)
+        requested = self._state()["requested"]
+        for request_id in connector_output.finished_recving or ():
+            at = requested.pop(request_id, None)
+            if at is not None:
+                self._send_stamps(DecodeKvStamps(request_id, at, time.time()))
 
     def request_finished(self, request, block_ids):
-        started = self._stage_starts().pop(request.request_id, None)
+        state = self._state()
+        started = state["started"].pop(request.request_id, None)
+        state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         prefill_leg = _is_prefill_leg(request)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):
             params[STAGES_KEY] = stage_times(getattr(request, "arrival_time", None), started, time.time())
         return delay, params
 
+    def _send_stamps(self, stamps: DecodeKvStamps) -> None:
+        state = self._state()
+        if state["socket"] is None:
+            state["socket"] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            state["socket"].setblocking(False)
+        try:
+            state["socket"].sendto(stamps.to_wire(), stamps_address(os.getppid()))
+        except OSError:  # nobody listens (not under our replica): the stamps are only lost
+            pass
+
 
 def stage_times(queued: float | None, started: float | None, finished: float) -> dict[str, Any]:
     return {"queued": queued, "started": started, "finished": finished}
 
 
+def listen_for_decode_stamps(on_stamps: Callable[[DecodeKvStamps], None]) -> socket.socket | None:
+    """In the serving process, on its running event loop: call ``on_stamps`` for each
+    datagram its engine sends. Returns the socket (close it to stop), or None if it could
+    not be bound (the timeline then lacks the engine's KV stamps)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.bind(stamps_address(os.getpid()))
+    except OSError as exc:
+        logger.warning("no KV stamps from the engine: %s", exc)
+        sock.close()
+        return None
+    sock.setblocking(False)
+
+    def drain() -> None:
+        while True:
+            try:
+                data = sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            stamps = DecodeKvStamps.from_wire(data)
+            if stamps is not None:
+                on_stamps(stamps)
+
+    asyncio.get_running_loop().add_reader(sock.fileno(), drain)
+    return sock
+
+
 def _is_prefill_leg(request) -> bool:
     return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
+
+
+def _is_decode_leg(request) -> bool:
+    return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))

@@ -115,7 +115,7 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
         r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
         assert r.status_code == 200
     order = ["arrived", "decode_received", "legs_sent", "prefill_queued", "prefill_started", "prefill_finished",
-             "first_token", "first_chunk"]
+             "kv_landed", "first_token", "first_chunk"]
     deadline = time.monotonic() + 30
     while len(timelines := _timelines(client, route="remote")) < 2 and time.monotonic() < deadline:
         time.sleep(1)
@@ -125,13 +125,16 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
         assert None not in stamps, timeline
         assert stamps == sorted(stamps), f"stamps out of order: {timeline.stamps}"
         assert timeline.stamps["prefill_finished"] <= timeline.stamps["prefill_answered"]
+        # Decode registered its blocks while prefill computed (push's point), from its engine's stamps.
+        assert timeline.stamps["legs_sent"] <= timeline.stamps["kv_requested"] < timeline.stamps["prefill_finished"]
     stages = {}
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not {"ttft", "handoff", "prefill_compute", "deliver"} <= set(stages):
+    while time.monotonic() < deadline and not {"ttft", "handoff", "transfer", "prefill_compute", "deliver"} <= set(stages):
         stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
                   if name == "ray_rendezvous_stage_seconds_count" and labels.get("mode") == "push"}
         time.sleep(1)
-    assert {"route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "handoff", "deliver", "ttft"} <= set(stages)
+    assert {"route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
+            "first_step", "deliver", "ttft"} <= set(stages)
     sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
             if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]

@@ -664,6 +664,7 @@ def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
         (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_failed_transfer"),
         (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_state_after_alloc"),
         (StageClock, push_scheduler.NixlPushConnectorScheduler, "request_finished"),
+        (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_connector_output"),  # decode's "KV landed"
     ]
     for ours, upstream, method in overrides:
         assert list(inspect.signature(getattr(ours, method)).parameters) == list(

@@ -34,12 +34,22 @@ REMOTE = {
         ("remote", {"arrived": 1.0, "decode_received": 1.1, "first_token": 1.6}, {"route": 0.1}),
         # Clocks of two hosts a little apart: never a negative duration.
         ("remote", {"prefill_finished": 5.0, "first_token": 4.99}, {"handoff": 0.0}),
+        # The decode engine's stamps split the handoff; push also shows its registration.
+        ("remote", {**REMOTE, "kv_requested": 100.05, "kv_landed": 102.2},
+         {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
+          "register": 0.02, "handoff": 0.2, "transfer": 0.1, "first_step": 0.1, "deliver": 0.01, "ttft": 2.31}),
     ],
 )
 def test_stages_from_stamps(route, stamps, expected):
     stages = RequestTimeline("r", "push", route, True, dict(stamps)).stages()
     assert stages == pytest.approx(expected)
     assert set(stages) <= set(STAGES)
+
+
+def test_pull_allocates_after_prefill_answered_so_it_has_no_register_stage():
+    stamps = {**REMOTE, "kv_requested": 102.15, "kv_landed": 102.2}
+    stages = RequestTimeline("r", "pull", "remote", True, stamps).stages()
+    assert "register" not in stages and stages["transfer"] == pytest.approx(0.1)
 
 
 def test_the_first_stamp_counts_and_the_prefill_report_is_read_defensively():
@@ -142,3 +152,59 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
     assert delay and report["queued"] == 50.0 and report["queued"] < report["started"] <= report["finished"]
     decode_request = SimpleNamespace(request_id="d", arrival_time=1.0, kv_transfer_params={"do_remote_prefill": True})
     assert STAGES_KEY not in scheduler.request_finished(decode_request, [[1]])[1]
+
+
+def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed(monkeypatch):
+    """Decode side of connector.stages: one datagram per request whose KV landed, read by
+    the serving process's listener; a request that never got its KV sends nothing."""
+    import connector.stages as stages
+
+    monkeypatch.setattr(stages.os, "getppid", stages.os.getpid)  # this process plays the replica
+
+    class Upstream:
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            request.kv_transfer_params = {"do_remote_prefill": False}  # vLLM clears it once registered
+
+        def update_connector_output(self, connector_output):
+            pass
+
+        def request_finished(self, request, block_ids):
+            return False, None
+
+    class Scheduler(stages.StageClock, Upstream):
+        pass
+
+    def decode_request(rid):
+        return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_prefill": True})
+
+    async def run():
+        heard = []
+        sock = stages.listen_for_decode_stamps(heard.append)
+        assert sock is not None
+        scheduler = Scheduler()
+        landed, aborted = decode_request("chatcmpl-rdv-1"), decode_request("chatcmpl-rdv-2")
+        scheduler.update_state_after_alloc(landed, None, 64)
+        scheduler.update_state_after_alloc(aborted, None, 64)
+        scheduler.request_finished(aborted, [])
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={"chatcmpl-rdv-1", "chatcmpl-rdv-2"}))
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
+        return heard
+
+    heard = asyncio.run(run())
+    assert [s.request_id for s in heard] == ["chatcmpl-rdv-1"]
+    assert heard[0].requested <= heard[0].landed
+    assert stages.DecodeKvStamps.from_wire(b"not json") is None
+
+
+def test_the_replica_finds_its_request_by_the_engine_id():
+    from connector.params import engine_request_id, external_request_id
+
+    assert external_request_id(engine_request_id("chat", "rdv-7")) == "rdv-7"
+    assert external_request_id(engine_request_id("completions", "rdv-7") + "-0") == "rdv-7"  # vLLM adds the prompt index
+    assert external_request_id("rdv-7") == "rdv-7"
