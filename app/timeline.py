@@ -17,6 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from app.planner import Route
+
 # Log lines that carry a timeline start with this, then the JSON.
 LOG_MARKER = "rendezvous_timeline "
 
@@ -61,7 +63,7 @@ class RequestTimeline:
 
     request_id: str
     mode: str  # push | pull
-    route: str  # remote | local | fallback
+    route: str  # app.planner.Route: remote | local | fallback
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
 
@@ -84,7 +86,8 @@ class RequestTimeline:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""
         out = {}
         for name, (start, end) in STAGES.items():
-            if self.route == "remote" and name in _LOCAL_ONLY or self.route != "remote" and name in _REMOTE_ONLY:
+            remote = self.route == Route.REMOTE
+            if remote and name in _LOCAL_ONLY or not remote and name in _REMOTE_ONLY:
                 continue
             if _MODE_ONLY.get(name, self.mode) != self.mode:
                 continue

@@ -56,6 +56,27 @@ _ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 
 @dataclass(frozen=True)
+class ReuseReport:
+    """What the prefill leg did about a conversation turn's history (prefill -> decode, in
+    the kv_transfer_params of prefill's response under ``REUSE_REPORT_KEY``; pull's decode
+    replica writes its own)."""
+
+    reason: str  # reused, or why not: threshold, no_match, no_offer, ... (connector.push_reuse)
+    reused_tokens: int = 0  # history READ back from decode instead of computed
+    pushed_tokens: int = 0  # the rest, computed and pushed to decode
+    kv_bytes_per_token: int = 0  # of this engine's KV cache, all layers
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> ReuseReport | None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("reason"), str):
+            return None
+        return cls(raw["reason"], *(int(raw.get(k) or 0) for k in ("reused_tokens", "pushed_tokens", "kv_bytes_per_token")))
+
+
+@dataclass(frozen=True)
 class PeerIdentity:
     """What a decode engine needs to reach a prefill engine's NIXL side channel."""
 

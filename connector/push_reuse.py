@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, reusable_tokens
+from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -70,7 +70,7 @@ class ReuseScheduler(DeadlineScheduler):
 
     _offers: dict[str, tuple[float, dict[str, Any]]]  # base request id → (arrived, offer)
     _waiting_since: dict[str, float]
-    _reports: dict[str, dict[str, Any]]
+    _reports: dict[str, ReuseReport]
 
     def init_reuse(self) -> None:
         self._offers, self._waiting_since, self._reports = {}, {}, {}
@@ -116,8 +116,8 @@ class ReuseScheduler(DeadlineScheduler):
         logger.debug("request %s: reading %d history tokens back from %s", rid, count, offer["engine_id"])
         return count, True
 
-    def _report(self, reason: str, reused: int = 0, pushed: int = 0) -> dict[str, Any]:
-        return {"reason": reason, "reused_tokens": reused, "pushed_tokens": pushed, "kv_bytes_per_token": self._kv_bytes_per_token}
+    def _report(self, reason: str, reused: int = 0, pushed: int = 0) -> ReuseReport:
+        return ReuseReport(reason, reused, pushed, self._kv_bytes_per_token)
 
     def _no_reuse(self, rid: str, reason: str, pushed: int = 0):
         self._waiting_since.pop(rid, None)
@@ -159,7 +159,7 @@ class ReuseScheduler(DeadlineScheduler):
         self._offers.pop(get_base_request_id(rid), None)
         report = self._reports.pop(rid, None)
         if report is not None and params is not None:
-            params[REUSE_REPORT_KEY] = report
+            params[REUSE_REPORT_KEY] = report.to_wire()
         return delay, params
 
 

@@ -17,6 +17,7 @@ from app.conversations import (
     continues_a_conversation,
 )
 from app.routing import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from connector.params import ReuseReport
 
 
 # --------------------------------------------------------------------------- retention table
@@ -153,7 +154,7 @@ def test_prefill_waits_for_the_offer_then_loads_the_verified_prefix():
     params = request.kv_transfer_params
     assert params["remote_block_ids"] == [[0, 1, 2, 3]] and params["remote_request_id"] == HISTORY_READ_ID
     assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)  # asked again after a failed allocation
-    assert scheduler._reports["cmpl-rdv-1"] == {"reason": "reused", "reused_tokens": 512, "pushed_tokens": 256, "kv_bytes_per_token": 10}
+    assert scheduler._reports["cmpl-rdv-1"] == ReuseReport("reused", reused_tokens=512, pushed_tokens=256, kv_bytes_per_token=10)
 
 
 @pytest.mark.parametrize(
@@ -164,7 +165,7 @@ def test_prefill_recomputes_when_reuse_is_not_worth_it(offered, computed, reason
     scheduler, request = _prefill_scheduler(), _request()
     scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(offered))
     assert scheduler.get_num_new_matched_tokens(request, computed) == (0, False)
-    assert scheduler._reports["cmpl-rdv-1"]["reason"] == reason
+    assert scheduler._reports["cmpl-rdv-1"].reason == reason
 
 
 def test_prefill_stops_waiting_for_an_offer_that_does_not_come(monkeypatch):
@@ -176,7 +177,7 @@ def test_prefill_stops_waiting_for_an_offer_that_does_not_come(monkeypatch):
     assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     now[0] = push_reuse.REUSE_OFFER_WAIT_S + 1
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-    assert scheduler._reports["cmpl-rdv-1"]["reason"] == "no_offer"
+    assert scheduler._reports["cmpl-rdv-1"].reason == "no_offer"
 
 
 def test_offers_from_several_workers_merge():
@@ -201,25 +202,13 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-    from app.servers import DecodeServer, _Route
+    from tests.unit.test_seams import _decode_server
 
-    server = DecodeServer.__new__(DecodeServer)
-    server._mode, server._local_below, server._isolate_uncached = "push", 64, False
-    server._late_binding, server._replica_id = False, "decode-1"
-    server._conversations, server._reuse_reports = ConversationTable(retention_s=100), {}
-    server._timelines = {}
-    server._ongoing = server._tokens_in_flight = 0
+    server = _decode_server(local_below=64, conversations=types.SimpleNamespace(retention_s=100, recompute_threshold=64))
     prompts = iter([900, 900 + new_user_tokens])
     server._prompt_token_ids = lambda request: [0] * next(prompts)
-    server._max_model_len = lambda: 4096
-    server._upstream_history, server._kept_params = False, {}
-    routes = []
-    server._metrics = types.SimpleNamespace(
-        load=lambda *a: None, finished=lambda prefill, *a: routes.append(prefill), turn=lambda *a: None,
-        bound=lambda *a: None,
-    )
 
-    async def remote(request, raw, endpoint, route: _Route, history=None, keep=False, hand_off=False):
+    async def remote(request, raw, endpoint, served, history=None, keep=False, hand_off=False):
         yield "remote"
 
     async def local(self, request, raw=None):
@@ -227,7 +216,7 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
             yield "local"
         return gen()
 
-    server._remote_or_fallback = remote
+    server._handoff.remote_or_fallback = remote
     monkeypatch.setattr(LLMServer, "chat", local)
     raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
@@ -237,7 +226,7 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
             [chunk async for chunk in await server.chat(request, raw)]
 
     asyncio.run(two_turns())
-    assert routes == ["remote", path]
+    assert server.paths == ["remote", path]
 
 
 # --------------------------------------------------------------------------- pull: vLLM's own read-back
@@ -267,15 +256,14 @@ def test_decode_keeps_blocks_only_for_the_turns_that_ask(monkeypatch):
     assert not keeps({"do_remote_prefill": True, KEEP_HISTORY_KEY: True})
 
 
-def _pull_server():
-    from app.servers import DecodeServer
+def _pull_turns():
+    from app.planner import PlanSettings
+    from app.turns import TurnBook
+    from connector.params import TransferMode
 
-    server = DecodeServer.__new__(DecodeServer)
-    server._conversations, server._reuse_reports, server._kept = ConversationTable(retention_s=100), {}, {}
-    server._recompute_threshold = 64
-    server._cache_config = lambda: types.SimpleNamespace(block_size=16)
-    server._kv_bytes_per_token = lambda: 1000
-    return server
+    settings = PlanSettings(TransferMode.PULL, 0, False, upstream_history=True, isolate_uncached=False)
+    return TurnBook(ConversationTable(retention_s=100), settings, metrics=None, recompute_threshold=64,
+                    block_size=lambda: 16, kv_bytes_per_token=lambda: 1000)
 
 
 HISTORY = list(range(200))
@@ -292,34 +280,36 @@ OFFER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids
     ],
 )
 def test_pull_reads_back_only_the_verified_history(kept, prompt, reason, reused):
-    from app.servers import _KeptHistory
+    from app.turns import KeptHistory
 
-    server = _pull_server()
-    table = server._conversations
+    turns = _pull_turns()
+    table = turns.table
     table.end(table.begin("c", now=0, continuation=False), now=1)
     if kept is not None:
-        server._kept["c"] = _KeptHistory(OFFER, kept, kept_at=1)
+        turns._kept["c"] = KeptHistory(OFFER, kept, kept_at=1)
     turn = table.begin("c", now=2, continuation=True)
-    params = server._read_back(turn, "rdv-2", prompt)
-    report = server._reuse_reports["rdv-2"]
-    assert (report["reason"], report["reused_tokens"], report["kv_bytes_per_token"]) == (reason, reused, 1000)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("app.turns.time.time", lambda: 2.0)
+        params = turns.read_back(turn, "rdv-2", prompt)
+    report = turns.report("rdv-2")
+    assert (report.reason, report.reused_tokens, report.kv_bytes_per_token) == (reason, reused, 1000)
     if reason == "reused":
         assert params["remote_num_tokens"] == 192 and params["remote_block_ids"] == [list(range(100, 112))]
     else:
         assert params is None
-    assert "c" not in server._kept  # each kept turn is read back once at most
+    assert "c" not in turns._kept  # each kept turn is read back once at most
 
 
 def test_an_expired_conversation_reads_nothing_back_and_its_kept_blocks_are_forgotten():
-    from app.servers import _KeptHistory
+    from app.turns import KeptHistory
 
-    server = _pull_server()
-    table = server._conversations
+    turns = _pull_turns()
+    table = turns.table
     table.end(table.begin("c", now=0, continuation=False), now=1)
-    server._kept["c"] = _KeptHistory(OFFER, HISTORY, kept_at=1)
-    server._kept["abandoned"] = _KeptHistory(OFFER, HISTORY, kept_at=1)
+    turns._kept["c"] = KeptHistory(OFFER, HISTORY, kept_at=1)
+    turns._kept["abandoned"] = KeptHistory(OFFER, HISTORY, kept_at=1)
     turn = table.begin("c", now=500, continuation=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("app.servers.time.time", lambda: 500.0)
-        assert server._read_back(turn, "rdv-2", HISTORY + [1]) is None
-    assert not turn.reuse and server._kept == {} and "rdv-2" not in server._reuse_reports
+        mp.setattr("app.turns.time.time", lambda: 500.0)
+        assert turns.read_back(turn, "rdv-2", HISTORY + [1]) is None
+    assert not turn.reuse and turns._kept == {} and turns.report("rdv-2") is None

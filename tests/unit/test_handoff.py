@@ -1,6 +1,6 @@
 """The decode replica's handoff never hangs and never fails a request it can serve
-itself (app/servers.py). The engine and the prefill replica are stand-ins here; the
-integration tests stall a real prefill engine."""
+itself (app/handoff.py). A real Handoff over stand-ins for the engine and the prefill
+replica; the integration tests stall a real prefill engine."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import types
 
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
-from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo
 
 from app.late_binding import Prefilled
-from app.servers import HANDED_OFF, DecodeServer, HandoffFailed, _Route
+from app.handoff import Handoff, HandoffFailed, Served
+from app.planner import Route
+from connector.params import TransferMode
 
 
 def _error(code: int) -> ErrorResponse:
@@ -34,31 +35,31 @@ class _Prefill:
             yield chunk
 
 
-def _server(monkeypatch, *, decode_after_s: float = 0.0, decode_chunks=("d1", "d2"), timeout_s: float = 0.3):
-    server = DecodeServer.__new__(DecodeServer)
-    server._prefill_timeout_s = timeout_s
-    server._late_prefills = set()
-    server._reuse_reports = {}
-    server._timelines = {}
-    server.decode_closed, server.local_requests = [], []
+def _handoff(*, decode_after_s: float = 0.0, decode_chunks=("d1", "d2"), timeout_s: float = 0.3, mode="push",
+             push=None, prefill=None, backend=None, replica_id="decode-1") -> Handoff:
+    """A Handoff whose decode engine yields ``decode_chunks`` after ``decode_after_s``, or
+    "local" for a request without kv_transfer_params (decode prefilling it itself)."""
+    decode_closed, local_requests = [], []
 
-    async def engine_completions(self, request, raw=None):
+    async def engine(endpoint, request, raw=None):
         async def gen():
             try:
                 if request.kv_transfer_params is None:  # local prefill
-                    server.local_requests.append(request)
+                    local_requests.append(request)
                     yield "local"
                     return
                 await asyncio.sleep(decode_after_s)
                 for chunk in decode_chunks:
                     yield chunk
             finally:
-                server.decode_closed.append(request.request_id)
+                decode_closed.append(request.request_id)
 
         return gen()
 
-    monkeypatch.setattr(LLMServer, "completions", engine_completions)
-    return server
+    handoff = Handoff(mode=TransferMode(mode), engine=engine, timeout_s=timeout_s, timelines={}, replica_id=replica_id,
+                      push=push, prefill=prefill, backend=backend)
+    handoff.decode_closed, handoff.local_requests = decode_closed, local_requests
+    return handoff
 
 
 def _decode_request() -> CompletionRequest:
@@ -78,62 +79,55 @@ def _collect(agen) -> tuple[list, BaseException | None]:
     return asyncio.run(go())
 
 
-def test_a_prefill_that_never_finishes_fails_the_handoff_at_the_deadline(monkeypatch):
-    server = _server(monkeypatch, decode_after_s=3600)
-    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(None), None))
+def test_a_prefill_that_never_finishes_fails_the_handoff_at_the_deadline():
+    handoff = _handoff(decode_after_s=3600)
+    chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), _Prefill(None), None))
     assert chunks == [] and isinstance(error, HandoffFailed) and "0.3 s" in str(error)
-    assert server.decode_closed == ["rdv-1"], "the decode leg must be aborted"
+    assert handoff.decode_closed == ["rdv-1"], "the decode leg must be aborted"
 
 
 @pytest.mark.parametrize("prefill", [_Prefill(0.01, chunks=(_error(500),)), _Prefill(0.01, fail=True)], ids=["error", "dead"])
-def test_a_failed_prefill_fails_the_handoff_at_once(monkeypatch, prefill):
-    server = _server(monkeypatch, decode_after_s=3600, timeout_s=30)
-    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), prefill, None))
+def test_a_failed_prefill_fails_the_handoff_at_once(prefill):
+    handoff = _handoff(decode_after_s=3600, timeout_s=30)
+    chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), prefill, None))
     assert chunks == [] and isinstance(error, HandoffFailed)
-    assert server.decode_closed == ["rdv-1"]
+    assert handoff.decode_closed == ["rdv-1"]
 
 
-def test_once_decode_produced_a_prefill_failure_is_moot(monkeypatch):
-    server = _server(monkeypatch, decode_after_s=0.0, timeout_s=30)
-    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(0.05, fail=True), None))
+def test_once_decode_produced_a_prefill_failure_is_moot():
+    handoff = _handoff(decode_after_s=0.0, timeout_s=30)
+    chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), _Prefill(0.05, fail=True), None))
     assert (chunks, error) == (["d1", "d2"], None)
 
 
-def test_a_slow_prefill_within_the_deadline_is_waited_for(monkeypatch):
-    server = _server(monkeypatch, decode_after_s=0.1, timeout_s=5)
-    chunks, error = _collect(server._concurrent_decode("completions", _decode_request(), _Prefill(0.05), None))
+def test_a_slow_prefill_within_the_deadline_is_waited_for():
+    handoff = _handoff(decode_after_s=0.1, timeout_s=5)
+    chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), _Prefill(0.05), None))
     assert (chunks, error) == (["d1", "d2"], None)
 
 
-def _orchestrating_server(monkeypatch, remote):
-    server = _server(monkeypatch)
-    server._mode = "push"
-    server._pd_handle_request = remote
-    return server
-
-
-def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id(monkeypatch):
+def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id():
     async def remote(request, raw=None):
         raise HandoffFailed("prefill did not finish within 30 s")
         yield  # pragma: no cover
 
-    server = _orchestrating_server(monkeypatch, remote)
-    route = _Route("remote")
+    handoff = _handoff(push=remote)
+    served = Served(Route.REMOTE)
     request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
-    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route))
-    assert (chunks, error, route.prefill) == (["local"], None, "fallback")
-    assert server.local_requests[0].request_id not in ("rdv-1", None)
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
+    assert (chunks, error, served.route) == (["local"], None, Route.FALLBACK)
+    assert handoff.local_requests[0].request_id not in ("rdv-1", None)
 
 
-def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_through(monkeypatch):
+def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_through():
     for code, expected_route in [(503, "fallback"), (400, "remote")]:
         async def remote(request, raw=None, code=code):
             yield _error(code)
 
-        server = _orchestrating_server(monkeypatch, remote)
-        route = _Route("remote")
-        chunks, _ = _collect(server._remote_or_fallback(CompletionRequest(model="m", prompt="hi"), None, "completions", route))
-        assert route.prefill == expected_route
+        handoff = _handoff(push=remote)
+        served = Served(Route.REMOTE)
+        chunks, _ = _collect(handoff.remote_or_fallback(CompletionRequest(model="m", prompt="hi"), None, "completions", served))
+        assert served.route == expected_route
         assert chunks == (["local"] if code >= 500 else [_error(400)])
 
 
@@ -193,48 +187,47 @@ class _PrefillStream:
         self.cancelled = True
 
 
-def _pull_server(monkeypatch, *, late_binding: bool):
+def _pull_handoff() -> Handoff:
     from connector.ray_backend import NixlPullBackend
 
-    server = _server(monkeypatch, timeout_s=5)
-    server._mode, server._late_binding, server._replica_id = "pull", late_binding, "entry-1"
-    server._kept_params = {}
-    server._get_connector_backend = lambda: NixlPullBackend.__new__(NixlPullBackend)
-    handles = server.prefill_calls = []
+    calls = []
 
     def call(request, raw=None):
-        handles.append(request)
+        calls.append(request)
         return _PrefillStream({"remote_block_ids": [1, 2], "remote_engine_id": "p0"})
 
-    server._prefill_handle = types.SimpleNamespace(completions=types.SimpleNamespace(remote=call))
-    return server
+    handoff = _handoff(timeout_s=5, mode="pull", replica_id="entry-1",
+                       prefill=types.SimpleNamespace(completions=types.SimpleNamespace(remote=call)),
+                       backend=lambda: NixlPullBackend.__new__(NixlPullBackend))
+    handoff.prefill_calls = calls
+    return handoff
 
 
-def test_late_binding_prefills_here_and_hands_the_decode_leg_back(monkeypatch):
-    server = _pull_server(monkeypatch, late_binding=True)
-    route = _Route("remote")
+def test_late_binding_prefills_here_and_hands_the_decode_leg_back():
+    handoff = _pull_handoff()
+    served = Served(Route.REMOTE)
     request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
-    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route, hand_off=True))
-    assert error is None and route.prefill == HANDED_OFF
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served, hand_off=True))
+    assert error is None and served.route is Route.HANDED_OFF
     assert chunks == [Prefilled("rdv-1", {"remote_block_ids": [1, 2], "remote_engine_id": "p0"}, "entry-1")]
-    assert server.decode_closed == [], "no decode leg runs on the entry replica"
-    assert server.prefill_calls[0].kv_transfer_params["do_remote_decode"] is True
+    assert handoff.decode_closed == [], "no decode leg runs on the entry replica"
+    assert handoff.prefill_calls[0].kv_transfer_params["do_remote_decode"] is True
 
 
-def test_without_late_binding_the_same_replica_decodes_what_it_had_prefilled(monkeypatch):
-    server = _pull_server(monkeypatch, late_binding=False)
-    route = _Route("remote")
+def test_without_late_binding_the_same_replica_decodes_what_it_had_prefilled():
+    handoff = _pull_handoff()
+    served = Served(Route.REMOTE)
     request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
-    chunks, error = _collect(server._remote_or_fallback(request, None, "completions", route))
-    assert (chunks, error, route.prefill) == (["d1", "d2"], None, "remote")
-    assert server.decode_closed == ["rdv-1"]
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
+    assert (chunks, error, served.route) == (["d1", "d2"], None, Route.REMOTE)
+    assert handoff.decode_closed == ["rdv-1"]
 
 
-def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefill_id(monkeypatch):
+def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefill_id():
     from tests.unit.test_seams import _decode_server, _drain
 
-    server = _decode_server()
-    server._replica_id, server._late_binding = "other-2", True
+    server = _decode_server(mode="pull", late_binding=True)
+    server._replica_id = "other-2"
     bound, decoded = [], []
     server._metrics.bound = lambda binding, moved: bound.append((binding, moved))
 
@@ -242,7 +235,7 @@ def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefil
         decoded.append((request.request_id, request.kv_transfer_params, params))
         yield "late-chunk"
 
-    server._pull_decode = pull_decode
+    server._handoff.pull_decode = pull_decode
     prefilled = Prefilled("rdv-7", {"remote_block_ids": [3]}, "entry-1")
     chunks = _drain(server, "completions", prefilled.attach_to(CompletionRequest(model="m", prompt="x" * 50)))
     assert chunks == ["late-chunk"] and server.paths == ["remote"]

@@ -180,26 +180,28 @@ def test_build_llm_deployment_signature():
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
-def _decode_server(local_below: int = 0, prompt_tokens: int = 5):
-    """A DecodeServer without an engine: the orchestration and local paths are fakes."""
+def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = "push", late_binding: bool = False,
+                   conversations=None, timeout_s: float = 30.0):
+    """A DecodeServer without an engine (Ray's __init__ would start one), set up by its own
+    ``_setup``; Ray's push orchestration is a stand-in that records what it was given."""
+    from app.planner import PlanSettings
     from app.servers import DecodeServer
+    from connector.params import TransferMode
 
     server = DecodeServer.__new__(DecodeServer)
-    server._local_below = local_below
-    server._mode, server._late_binding, server._replica_id = "push", False, "decode-1"
-    server._tokenizer = None
-    server._prompt_token_ids = lambda request: [0] * prompt_tokens
-    server._max_model_len = lambda: 4096
-    server._conversations, server._isolate_uncached, server._reuse_reports = None, False, {}
-    server._timelines = {}
-    server._upstream_history = False
-    server._ongoing = server._tokens_in_flight = 0
-    server._metrics = types.SimpleNamespace(
+    server.paths, server.seen, server.load, server.turns = [], [], [], []
+    metrics = types.SimpleNamespace(
         load=lambda ongoing, tokens: None,
         finished=lambda prefill, stream, first, total: server.paths.append(prefill),
         bound=lambda binding, moved: None,
+        turn=lambda *args: server.turns.append(args),
+        retained=lambda count: None,
     )
-    server.paths, server.seen, server.load = [], [], []
+    settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
+    server._setup(settings, replica_id="decode-1", tokenizer=None, prefill_timeout_s=timeout_s,
+                  conversations=conversations, metrics=metrics)
+    server._prompt_token_ids = lambda request: [0] * prompt_tokens
+    server._max_model_len = lambda: 4096
 
     async def remote(request, raw=None):
         server.seen.append((request, raw))
@@ -533,7 +535,7 @@ def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
     from app.servers import DecodeServer
 
     server = DecodeServer.__new__(DecodeServer)
-    server._tokenizer, server._local_below = AutoTokenizer.from_pretrained(resolve_model_source("embedded")), 16
+    server._tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("embedded"))
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Why is the sky blue? " * 10}])
     expected = server._tokenizer.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue? " * 10}], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -548,7 +550,7 @@ def test_without_a_tokenizer_every_request_is_disaggregated():
     assert server.paths == ["remote"]
 
 
-# --------------------------------------------------------------------------- handoff deadline (app/servers.py)
+# --------------------------------------------------------------------------- handoff deadline (app/handoff.py)
 
 
 def test_ray_calls_the_concurrent_decode_we_override():

@@ -1,0 +1,244 @@
+"""The decode replica's handoff: the prefill leg, its deadline, the fallback and the drain.
+
+A :class:`Handoff` is built by ``DecodeServer`` from what it needs (decode's own engine,
+the prefill deployment, the connector backend, Ray's push orchestration) so that tests
+build a real one from stand-ins. It never hangs and never fails a request decode can
+serve itself: the prefill leg has ``timeout_s``; if it fails or times out before decode
+produced anything, decode prefills the prompt itself (:attr:`Route.FALLBACK`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import types
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
+
+from app.late_binding import Prefilled
+from app.planner import Route
+from app.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline
+from connector.params import KEEP_HISTORY_KEY, STAGES_KEY, TransferMode, new_transfer_request_id
+
+logger = logging.getLogger("ray.serve.rendezvous.servers")
+
+# Decode's own engine: (endpoint, request, raw request info) -> its response chunks.
+Engine = Callable[[str, Any, Any], Awaitable[AsyncIterator]]
+
+
+class HandoffFailed(Exception):
+    """The prefill leg failed or missed its deadline before decode produced anything."""
+
+
+@dataclass
+class Served:
+    """How one request is being prefilled; a remote plan may end up FALLBACK or HANDED_OFF."""
+
+    route: Route
+
+
+class Handoff:
+    def __init__(
+        self,
+        *,
+        mode: TransferMode,
+        engine: Engine,
+        timeout_s: float,
+        timelines: dict[str, RequestTimeline],
+        replica_id: str = "",
+        push: Callable[[Any, Any], AsyncIterator] | None = None,
+        prefill: Any = None,
+        backend: Callable[[], Any] | None = None,
+        on_prefill_params: Callable[[str, dict], None] = lambda request_id, params: None,
+        on_kept: Callable[[str, dict], None] = lambda request_id, params: None,
+    ):
+        """``push``: Ray's PD orchestration (``_pd_handle_request``), which calls back into
+        :meth:`concurrent_decode`. ``prefill``: the prefill deployment handle and
+        ``backend``: the connector backend, both for pull. ``on_prefill_params``: prefill's
+        response params (push); ``on_kept``: decode's response params of a turn it keeps (pull)."""
+        self.mode, self._engine, self.timeout_s, self._timelines = mode, engine, timeout_s, timelines
+        self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
+        self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
+        self.late_prefills: set[asyncio.Task] = set()  # kept referenced until they end
+
+    async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
+                                 keep=False, hand_off=False):
+        """Disaggregated prefill; if the handoff fails before anything reached the client,
+        the decode engine prefills the prompt itself (a fresh engine request id: the
+        aborted one may still be finishing)."""
+        if self.mode is TransferMode.PULL:
+            remote = self.pull_handoff(request, raw_request_info, endpoint, history, keep, hand_off)
+        else:
+            remote = self._push(request, raw_request_info)
+        try:
+            first = await remote.__anext__()
+            failure = _server_error(first)
+        except StopAsyncIteration:
+            return
+        except Exception as exc:  # the handoff's own failures and a dead prefill replica alike
+            failure = str(exc) or type(exc).__name__
+        if failure is None:
+            if isinstance(first, Prefilled):
+                served.route = Route.HANDED_OFF
+            yield first
+            async for chunk in remote:
+                yield chunk
+            return
+        await remote.aclose()
+        served.route = Route.FALLBACK
+        logger.warning("request %s: handoff failed (%s); decode prefills it locally", request.request_id, failure)
+        local = request.model_copy(update={"request_id": new_transfer_request_id()})
+        async for chunk in await self._engine(endpoint, local, raw_request_info):
+            yield chunk
+
+    async def pull_handoff(self, request, raw_request_info, endpoint: str, history=None, keep=False, hand_off=False):
+        """Pull: prefill first (bounded by the deadline), then decode READs its KV: here,
+        or with ``hand_off`` (late binding) on the replica the ingress picks next, to which
+        this one answers with a :class:`Prefilled`. With ``history``, prefill first READs
+        that much of a conversation's history back from decode; with ``keep``, decode
+        keeps this turn's blocks for the next turn."""
+        prefill_request = self._backend().prepare_prefill_request(request=request, peer=None)
+        if history is not None:
+            prefill_request.kv_transfer_params = history
+        timeline = self._timelines.get(request.request_id)
+        if timeline is not None:
+            timeline.stamp(LEGS_SENT, time.time())
+        prefill = getattr(self._prefill, endpoint).remote(prefill_request, raw_request_info)
+        try:
+            answer = await asyncio.wait_for(prefill.__anext__(), self.timeout_s)
+        except TimeoutError:
+            prefill.cancel()  # prefill holds no decode resources in pull: dropping it is clean
+            raise HandoffFailed(f"prefill did not answer within {self.timeout_s:g} s") from None
+        if isinstance(answer, ErrorResponse):
+            yield answer
+            return
+        async for _ in prefill:  # one token: let the response complete
+            pass
+        params = dict(answer.kv_transfer_params or {})
+        report = params.pop(STAGES_KEY, None)
+        if timeline is not None:
+            timeline.stamp(PREFILL_ANSWERED, time.time())
+            timeline.add_prefill_report(report)
+        answer.kv_transfer_params = params
+        if hand_off:
+            stamps = dict(timeline.stamps) if timeline else {}  # the decoding replica goes on with them
+            yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id, stamps)
+            return
+        async for chunk in self.pull_decode(request, raw_request_info, endpoint, answer.kv_transfer_params, keep):
+            yield chunk
+
+    async def pull_decode(self, request, raw_request_info, endpoint: str, prefill_params: dict, keep=False):
+        """Pull: the decode leg, READing the KV that prefill's answer (``prefill_params``) points to."""
+        prefill_response = types.SimpleNamespace(kv_transfer_params=prefill_params)
+        decode_request = self._backend().prepare_decode_request(
+            request=request, peer=None, prefill_response=prefill_response
+        )
+        if keep:
+            decode_request.kv_transfer_params = {**decode_request.kv_transfer_params, KEEP_HISTORY_KEY: True}
+        async for chunk in await self._engine(endpoint, decode_request, raw_request_info):
+            params = getattr(chunk, "kv_transfer_params", None)
+            if params:
+                chunk.kv_transfer_params = None  # engine addresses and block ids are not the client's business
+                if keep:
+                    self._on_kept(request.request_id, params)
+            yield chunk
+
+    async def concurrent_decode(self, method, decode_request, prefill_resp, raw_request_info):
+        """Push: decode waits for KV that only the prefill leg can produce. Ray's version
+        (``PDOrchestratorMixin._concurrent_decode``) waits for it without a deadline; this
+        one gives the prefill leg ``timeout_s`` and raises :class:`HandoffFailed` if it
+        fails or times out before decode's first chunk. Once decode produced a chunk its
+        KV has arrived, and a later prefill failure is moot."""
+        timeline = self._timelines.get(decode_request.request_id)
+        if timeline is not None:
+            timeline.stamp(LEGS_SENT, time.time())
+        prefill = asyncio.create_task(_drain_prefill(prefill_resp))
+        prefill.add_done_callback(lambda task: self._prefill_done(decode_request.request_id, task))
+        decode = await self._engine(method, decode_request, raw_request_info)
+        chunks = decode.__aiter__()
+        next_chunk = asyncio.ensure_future(chunks.__anext__())
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not next_chunk.done():
+                if prefill.done():
+                    failure = _prefill_failure(prefill)
+                    if failure is not None:
+                        raise HandoffFailed(failure)
+                    await asyncio.wait({next_chunk})
+                    break
+                done, _ = await asyncio.wait(
+                    {next_chunk, prefill}, timeout=max(0.0, deadline - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:
+                    raise HandoffFailed(f"prefill did not finish within {self.timeout_s:g} s")
+            try:
+                yield next_chunk.result()
+            except StopAsyncIteration:
+                return
+            async for chunk in chunks:
+                yield chunk
+            # Let the prefill response complete here: Serve's router counts it done then.
+            await asyncio.wait({prefill}, timeout=self.timeout_s)
+        finally:
+            if not next_chunk.done():
+                next_chunk.cancel()
+                with contextlib.suppress(BaseException):
+                    await next_chunk
+            with contextlib.suppress(BaseException):
+                await decode.aclose()  # aborts the engine request if it is still running
+            if not prefill.done():
+                # Late, not cancelled: its WRITE is what releases the blocks decode
+                # registered for this request (vLLM frees an aborted decode request's
+                # blocks only once its KV has arrived).
+                self.late_prefills.add(prefill)
+                prefill.add_done_callback(self.late_prefills.discard)
+
+    def _prefill_done(self, request_id: str, prefill: asyncio.Task) -> None:
+        """Push: keep what prefill's response reports (reuse; the engine's stage stamps)."""
+        if prefill.cancelled() or prefill.exception() is not None:
+            return
+        params = prefill.result()[1] or {}
+        timeline = self._timelines.get(request_id)
+        if timeline is not None:
+            timeline.stamp(PREFILL_ANSWERED, time.time())
+            timeline.add_prefill_report(params.get(STAGES_KEY))
+        self._on_prefill_params(request_id, params)
+
+
+def _server_error(chunk: Any) -> str | None:
+    """The message of a server-side error chunk; client errors (4xx) pass through."""
+    if isinstance(chunk, ErrorResponse) and chunk.error.code >= 500:
+        return chunk.error.message
+    return None
+
+
+async def _drain_prefill(prefill_resp) -> tuple[ErrorResponse | None, dict | None]:
+    """Consume a push-mode prefill response: (its error, if any; its kv_transfer_params).
+    Ray's ``_drain_prefill`` does the same but drops the response's kv_transfer_params."""
+    last = None
+    try:
+        async for chunk in prefill_resp:
+            if isinstance(chunk, ErrorResponse):
+                return chunk, None
+            last = chunk
+    except TypeError:  # a non-streaming response
+        last = await prefill_resp
+        if isinstance(last, ErrorResponse):
+            return last, None
+    return None, getattr(last, "kv_transfer_params", None) or {}
+
+
+def _prefill_failure(prefill: asyncio.Task) -> str | None:
+    try:
+        result, _ = prefill.result()
+    except BaseException as exc:
+        return f"prefill failed: {exc or type(exc).__name__}"
+    if isinstance(result, ErrorResponse):
+        return f"prefill returned {result.error.code}: {result.error.message}"
+    return None
