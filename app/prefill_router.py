@@ -5,8 +5,9 @@ as busy as a hundred short ones. Every decode replica routes its own prefill leg
 handle lives in its process), so this router combines:
 
 * the prompt tokens of the legs this router sent that have not completed — exact and
-  immediate; ``DecodeServer`` tells it each leg's prompt length (``expect_prefill``,
-  same process) before the leg leaves, and text length stands in if it did not;
+  immediate; ``DecodeServer`` writes each leg's prompt length on the request it sends
+  (:data:`PROMPT_TOKENS_FIELD`, :func:`with_prompt_tokens`), and text length stands in
+  for a leg without it;
 * what each ``PrefillServer`` publishes every ``routing.stats_period_s``: the prompt tokens
   of every router's legs in flight there, seconds late on a busy box.
 
@@ -15,7 +16,6 @@ The pipeline and its scorers are ``app.routing``'s, with ``routing.prefill_polic
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -28,31 +28,23 @@ from app.routing import RouteRequest, RoutingPolicy, pick
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
 
-_CHARS_PER_TOKEN = 4  # when a leg's prompt length was not announced
-_REMEMBERED = 10_000  # announced legs and legs in flight this router keeps track of, at most
-
-_announced: OrderedDict[str, int] = OrderedDict()  # request id -> prompt tokens
-
-
-def _announcements() -> OrderedDict[str, int]:
-    # Ray may unpickle a request router class by value, which gives its methods a private
-    # copy of this module's globals: the shared table is the imported module's.
-    return importlib.import_module("app.prefill_router")._announced
+_CHARS_PER_TOKEN = 4  # when a leg does not say its prompt length
+_REMEMBERED = 10_000  # legs in flight this router keeps track of, at most
+# An extra field of the OpenAI request model (which allows them): the prompt tokens of the
+# leg as the decode replica counted them. It travels with the request's copies (both legs).
+PROMPT_TOKENS_FIELD = "rendezvous_prompt_tokens"
 
 
-def expect_prefill(request_id: str, prompt_tokens: int) -> None:
-    """Announce the prompt length of the prefill leg about to be routed for ``request_id``."""
-    announced = _announcements()
-    announced[request_id] = prompt_tokens
-    if len(announced) > _REMEMBERED:
-        announced.popitem(last=False)
+def with_prompt_tokens(request: Any, prompt_tokens: int) -> Any:
+    """``request`` saying its prompt length to the prefill router."""
+    return request.model_copy(update={PROMPT_TOKENS_FIELD: prompt_tokens})
 
 
 def leg_tokens(request: Any) -> int:
-    """The prompt tokens of a prefill leg: as announced, else estimated from its text."""
-    announced = _announcements().pop(getattr(request, "request_id", None), None)
-    if announced is not None:
-        return announced
+    """The prompt tokens of a prefill leg: as it says, else estimated from its text."""
+    said = getattr(request, PROMPT_TOKENS_FIELD, None)
+    if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
+        return said
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list):
         return len(prompt)

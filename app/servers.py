@@ -46,7 +46,7 @@ from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.prefill_router import expect_prefill
+from app.prefill_router import with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
 from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
 from app.turns import TurnBook
@@ -226,9 +226,8 @@ class DecodeServer(PDDecodeServer):
         elif decided.route is Route.LOCAL:
             gen = await getattr(LLMServer, endpoint)(self, request, raw_request_info)
         else:
-            expect_prefill(request_id, prompt_tokens)  # for the prefill router, in this process
             gen = self._handoff.remote_or_fallback(
-                request, raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
+                with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from app.prefill_router import LoadAwarePrefillRouter, expect_prefill, leg_tokens
+from app.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
 from app.routing import RoutingPolicy
 
 
@@ -23,9 +23,7 @@ def _replica(name: str, stats: dict | None = None) -> SimpleNamespace:
 
 
 def _leg(request_id: str, tokens: int | None, prompt: str = "") -> SimpleNamespace:
-    if tokens is not None:
-        expect_prefill(request_id, tokens)
-    request = SimpleNamespace(request_id=request_id, prompt=prompt)
+    request = SimpleNamespace(request_id=request_id, prompt=prompt, **{PROMPT_TOKENS_FIELD: tokens})
     return SimpleNamespace(args=[request, None], metadata=SimpleNamespace(internal_request_id=f"serve-{request_id}"))
 
 
@@ -58,13 +56,23 @@ def test_a_leg_chosen_twice_counts_once():
     assert dict(router._tokens_sent) == {"a": 700}
 
 
-def test_an_unannounced_leg_is_estimated_from_its_text():
-    assert leg_tokens(SimpleNamespace(request_id="nobody-announced", prompt="x" * 400)) == 100
+def test_a_leg_that_does_not_say_its_length_is_estimated_from_its_text():
+    assert leg_tokens(SimpleNamespace(request_id="silent", prompt="x" * 400)) == 100
     assert leg_tokens(SimpleNamespace(request_id="ids", prompt=[1, 2, 3])) == 3
     chat = SimpleNamespace(request_id="chat", prompt=None, messages=[{"role": "user", "content": "y" * 80}])
     assert leg_tokens(chat) == 20
-    expect_prefill("told", 42)
-    assert leg_tokens(SimpleNamespace(request_id="told", prompt="z")) == 42
+
+
+def test_the_prompt_length_travels_with_the_request_and_its_copies():
+    """As the decode replica sets it and Ray's backends copy the request into each leg."""
+    import pickle
+
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+    for request in (CompletionRequest(model="m", prompt="z"), ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "z"}])):
+        leg = pickle.loads(pickle.dumps(with_prompt_tokens(request, 42).model_copy(deep=True)))
+        assert leg_tokens(leg) == 42
+    assert leg_tokens(SimpleNamespace(prompt="z", **{PROMPT_TOKENS_FIELD: "42"})) == 0  # only an int counts
 
 
 def test_the_default_prefill_policy_weighs_tokens_over_requests():
