@@ -120,8 +120,10 @@ class RoleArgs(_Strict):
 
 class NixlArgs(_Strict):
     backends: list[str] = Field(["UCX"], min_length=1, description="NIXL backends: UCX, or LIBFABRIC for EFA.")
-    prefill_port_base: int = Field(20000, description="First side-channel port of prefill engines (one per replica and DP rank).")
-    decode_port_base: int = Field(22000, description="First side-channel port of decode engines.")
+    prefill_port_base: int = Field(
+        PortPlan.prefill_base, description="First side-channel port of prefill engines (one per replica and DP rank)."
+    )
+    decode_port_base: int = Field(PortPlan.decode_base, description="First side-channel port of decode engines.")
     extra_config: dict[str, Any] = Field(
         default_factory=dict,
         description="Passed verbatim as kv_connector_extra_config (e.g. kv_lease_duration, push_registration_timeout).",

@@ -105,14 +105,15 @@ class DecodeServer(PDDecodeServer):
         llm_config,
         *,
         prefill_server,
-        mode: str = "push",
-        late_binding: bool = False,
-        local_prefill_below_tokens: int = 0,
-        prefill_timeout_s: float = 30.0,
-        conversations=None,
-        isolate_uncached: bool = False,
+        mode: str,
+        late_binding: bool,
+        local_prefill_below_tokens: int,
+        prefill_timeout_s: float,
+        conversations,
+        isolate_uncached: bool,
         **kwargs,
     ):
+        """Every setting comes from the config (``app.builder``); their defaults live in ``app.args``."""
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
         settings = PlanSettings(
             mode=TransferMode(mode),
