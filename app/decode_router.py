@@ -35,11 +35,10 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 from ray.serve.metrics import Counter as MetricCounter
 
 from app.conversations import CONVERSATION_HEADER
-from app.routing import Decision, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from app.routing import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
 
-STATS_KEY = "rendezvous"
 # This router remembers where it sent a conversation for this long (and this many), until
 # the replica's published stats say so too; a stale entry only costs a missed reuse.
 _LOCAL_AFFINITY_S = 600.0
@@ -85,11 +84,10 @@ def snapshot_from_stats(
     holds_conversation: bool = False,
     tokens_sent_here: int = 0,
 ) -> ReplicaSnapshot:
-    ours = (stats or {}).get(STATS_KEY) or {}
-    ongoing = max(sent_here, probed_queue_len or 0, int(ours.get("ongoing", 0)))
-    tokens = max(tokens_sent_here, int(ours.get("tokens_in_flight", 0)))
-    capacity = ours.get("kv_capacity_tokens")
-    recorded = ours.get("recorded_at")
+    published = PublishedLoad.read(stats) or PublishedLoad(0, 0, 0.0)
+    ongoing = max(sent_here, probed_queue_len or 0, published.ongoing)
+    tokens = max(tokens_sent_here, published.tokens_in_flight)
+    capacity, recorded = published.kv_capacity_tokens, published.recorded_at
     return ReplicaSnapshot(
         replica_id=replica_id,
         ongoing_requests=ongoing,
@@ -149,11 +147,11 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
     def _holders(self, conversation: str, by_id: dict, now: float) -> set[str]:
         holders = set()
         for rid, replica in by_id.items():
-            ours = (replica.routing_stats or {}).get(STATS_KEY) or {}
-            recorded = ours.get("recorded_at")
+            published = PublishedLoad.read(replica.routing_stats)
+            recorded = published.recorded_at if published else None
             cached = self._published.get(rid)
             if cached is None or cached[0] != recorded:
-                cached = (recorded, frozenset(ours.get("conversations") or ()))
+                cached = (recorded, frozenset(published.conversations if published else ()))
                 self._published[rid] = cached
             if conversation in cached[1]:
                 holders.add(rid)

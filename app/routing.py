@@ -18,6 +18,42 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Under this key of a replica's routing stats: its PublishedLoad.
+STATS_KEY = "rendezvous"
+
+
+@dataclass(frozen=True)
+class PublishedLoad:
+    """What a prefill or decode replica publishes for the routers every stats period
+    (Serve's ``record_routing_stats``; the routers read it as ``routing_stats``)."""
+
+    ongoing: int  # requests (or prefill legs) in flight
+    tokens_in_flight: int  # decode: prompt + remaining output tokens; prefill: prompt tokens
+    recorded_at: float  # wall clock
+    kv_capacity_tokens: int | None = None  # decode
+    conversations: tuple[str, ...] = ()  # decode: the most recently served, retained or expired
+
+    def publish_into(self, stats: dict) -> dict:
+        stats[STATS_KEY] = {
+            "ongoing": self.ongoing, "tokens_in_flight": self.tokens_in_flight, "recorded_at": self.recorded_at,
+            "kv_capacity_tokens": self.kv_capacity_tokens, "conversations": list(self.conversations),
+        }
+        return stats
+
+    @classmethod
+    def read(cls, routing_stats: Mapping | None) -> PublishedLoad | None:
+        raw = (routing_stats or {}).get(STATS_KEY)
+        if not isinstance(raw, Mapping):
+            return None
+        capacity = raw.get("kv_capacity_tokens")
+        return cls(
+            ongoing=int(raw.get("ongoing") or 0),
+            tokens_in_flight=int(raw.get("tokens_in_flight") or 0),
+            recorded_at=float(raw.get("recorded_at") or 0.0),
+            kv_capacity_tokens=int(capacity) if capacity else None,
+            conversations=tuple(raw.get("conversations") or ()),
+        )
+
 
 @dataclass(frozen=True)
 class ReplicaSnapshot:

@@ -41,13 +41,13 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PD
 from app.args import PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
 from app.decode_metrics import DecodeMetrics
-from app.decode_router import STATS_KEY
 from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
 from app.prefill_router import with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
+from app.routing import PublishedLoad
 from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
 from app.turns import TurnBook
 from connector.params import REUSE_KEY, TransferMode, external_request_id, new_transfer_request_id
@@ -95,8 +95,7 @@ class PrefillServer(PDPrefillServer):
 
     async def record_routing_stats(self) -> dict[str, Any]:
         stats = await super().record_routing_stats() or {}
-        stats[STATS_KEY] = {"ongoing": self._ongoing, "tokens_in_flight": self._tokens_in_flight, "recorded_at": time.time()}
-        return stats
+        return PublishedLoad(self._ongoing, self._tokens_in_flight, time.time()).publish_into(stats)
 
 
 class DecodeServer(PDDecodeServer):
@@ -181,16 +180,11 @@ class DecodeServer(PDDecodeServer):
         self._metrics.load(self._ongoing, self._tokens_in_flight)
         stats = await super().record_routing_stats() or {}
         now = time.time()
-        stats[STATS_KEY] = {
-            "ongoing": self._ongoing,
-            "tokens_in_flight": self._tokens_in_flight,
-            "kv_capacity_tokens": self._kv_capacity_tokens(),
-            "recorded_at": now,
-        }
+        conversations = ()
         if self._turns is not None:
-            stats[STATS_KEY]["conversations"] = self._turns.table.known(_PUBLISHED_CONVERSATIONS)
+            conversations = tuple(self._turns.table.known(_PUBLISHED_CONVERSATIONS))
             self._metrics.retained(len(self._turns.table.held(now)))
-        return stats
+        return PublishedLoad(self._ongoing, self._tokens_in_flight, now, self._kv_capacity_tokens(), conversations).publish_into(stats)
 
     async def _serve(self, request, raw_request_info, endpoint: str):
         received = time.time()

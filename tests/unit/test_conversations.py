@@ -92,7 +92,8 @@ def test_the_holder_wins_over_a_less_loaded_replica_unless_filtered_out():
 
 
 def test_the_router_reads_the_conversation_from_the_header_and_learns_holders():
-    from app.decode_router import STATS_KEY, LoadAwareDecodeRouter, conversation_of
+    from app.decode_router import LoadAwareDecodeRouter, conversation_of
+    from app.routing import STATS_KEY
 
     raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
     assert conversation_of(types.SimpleNamespace(args=("body", raw))) == "c"

@@ -137,3 +137,13 @@ def test_the_routers_metrics_use_no_tag_serve_reserves():
 
     reserved = {serve_metrics.DEPLOYMENT_TAG, serve_metrics.REPLICA_TAG, serve_metrics.APPLICATION_TAG, serve_metrics.ROUTE_TAG}
     assert not set(_picks()._tag_keys) & reserved
+
+
+def test_published_load_crosses_the_wire_and_tolerates_what_it_does_not_know():
+    from app.routing import STATS_KEY, PublishedLoad
+
+    load = PublishedLoad(3, 1200, 99.0, kv_capacity_tokens=4096, conversations=("a", "b"))
+    assert PublishedLoad.read(load.publish_into({"serve": "own"})) == load
+    assert PublishedLoad.read(None) is None and PublishedLoad.read({STATS_KEY: "junk"}) is None
+    # A replica of an older build published fewer fields.
+    assert PublishedLoad.read({STATS_KEY: {"ongoing": 1}}) == PublishedLoad(1, 0, 0.0)
