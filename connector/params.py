@@ -50,6 +50,20 @@ REUSE_OFFER_WAIT_S = 2.0
 # back (connector/pull_history.py); upstream would keep every request's.
 KEEP_HISTORY_KEY = "rendezvous_keep_history"
 
+# vLLM's own keys for a leg's role: prefill computes for a remote decode; decode loads from a remote prefill.
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+
+
+def is_prefill_leg(params: dict[str, Any] | None) -> bool:
+    return bool((params or {}).get(DO_REMOTE_DECODE))
+
+
+def is_decode_leg(params: dict[str, Any] | None) -> bool:
+    """A decode leg still to load its KV (vLLM clears the flag once it has registered or read)."""
+    return bool((params or {}).get(DO_REMOTE_PREFILL))
+
+
 # vLLM's OpenAI layer prefixes the external request id per endpoint; the engine's
 # internal id is ``<prefix><external id>`` once id randomization is disabled.
 _ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
@@ -122,7 +136,7 @@ def external_request_id(engine_request_id: str) -> str:
 def push_prefill_params(reuse: bool = False) -> dict[str, Any]:
     """Prefill leg in push mode: compute the prompt, then WRITE it to whoever registers.
     With ``reuse``, first READ the history that decode offers and compute only the rest."""
-    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    params: dict[str, Any] = {DO_REMOTE_DECODE: True, DO_REMOTE_PREFILL: False}
     if reuse:
         params[REUSE_KEY] = True
     return params
@@ -132,8 +146,8 @@ def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str, reuse
     """Decode leg in push mode: allocate blocks, register them with ``peer``, wait. With
     ``reuse``, the registration also offers the blocks of decode's prefix-cache hit."""
     params: dict[str, Any] = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
+        DO_REMOTE_PREFILL: True,
+        DO_REMOTE_DECODE: False,
         "remote_engine_id": peer.engine_id,
         "remote_host": peer.host,
         "remote_port": peer.port,
@@ -150,8 +164,8 @@ def push_decode_params(peer: PeerIdentity, prefill_engine_request_id: str, reuse
 def pull_prefill_params() -> dict[str, Any]:
     """Prefill leg in pull mode: compute, keep the blocks, return where they are."""
     return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
+        DO_REMOTE_DECODE: True,
+        DO_REMOTE_PREFILL: False,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "remote_host": None,
@@ -168,8 +182,8 @@ def pull_history_params(offer: dict[str, Any], tokens: int, block_size: int) -> 
     blocks = tokens // block_size
     return {
         **offer,
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
+        DO_REMOTE_DECODE: True,
+        DO_REMOTE_PREFILL: False,
         "remote_block_ids": [list(group[:blocks]) for group in offer["remote_block_ids"]],
         "remote_num_tokens": blocks * block_size,
     }

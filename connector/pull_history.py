@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
-from connector.params import KEEP_HISTORY_KEY
+from connector.params import KEEP_HISTORY_KEY, is_prefill_leg
 
 
 class HistoryPullScheduler(NixlPullConnectorScheduler):
     def request_finished(self, request, block_ids):
         params = request.kv_transfer_params
-        keep = not params or params.get("do_remote_decode") or params.get(KEEP_HISTORY_KEY)
+        keep = not params or is_prefill_leg(params) or params.get(KEEP_HISTORY_KEY)
         if keep or not self.is_bidirectional_kv_xfer_enabled:
             return super().request_finished(request, block_ids)
         # Upstream decides "keep for a read-back" on this flag alone (its D-node branch).

@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, reusable_tokens
+from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, is_prefill_leg, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -82,7 +82,7 @@ class ReuseScheduler(DeadlineScheduler):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         params = request.kv_transfer_params
-        if not (params and params.get(REUSE_KEY) and params.get("do_remote_decode")):
+        if not (params and params.get(REUSE_KEY) and is_prefill_leg(params)):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         rid = request.request_id
         if params.get(_READING):  # asked again (the blocks could not be allocated last step)
@@ -129,7 +129,7 @@ class ReuseScheduler(DeadlineScheduler):
         params = request.kv_transfer_params
         if not params or not params.get(REUSE_KEY):
             return
-        if params.get("do_remote_decode"):  # prefill: load the history into the blocks just allocated
+        if is_prefill_leg(params):  # prefill: load the history into the blocks just allocated
             if params.get(_READING) and num_external_tokens > 0:
                 params[REUSE_KEY] = False  # one load per request
                 local = self.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())

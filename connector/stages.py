@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from connector.params import STAGES_KEY
+from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -68,9 +68,9 @@ class StageClock:
         return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "socket": None})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        decode_leg = _is_decode_leg(request)  # before vLLM clears the flag
+        decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if _is_prefill_leg(request):
+        if is_prefill_leg(request.kv_transfer_params):
             self._state()["started"].setdefault(request.request_id, time.time())
         elif decode_leg and num_external_tokens > 0:
             self._state()["requested"].setdefault(request.request_id, time.time())
@@ -87,7 +87,7 @@ class StageClock:
         state = self._state()
         started = state["started"].pop(request.request_id, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
-        prefill_leg = _is_prefill_leg(request)  # before vLLM rewrites the params
+        prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):
             params[STAGES_KEY] = stage_times(getattr(request, "arrival_time", None), started, time.time())
@@ -135,11 +135,3 @@ def listen_for_decode_stamps(on_stamps: Callable[[DecodeKvStamps], None]) -> soc
 
     asyncio.get_running_loop().add_reader(sock.fileno(), drain)
     return sock
-
-
-def _is_prefill_leg(request) -> bool:
-    return bool((request.kv_transfer_params or {}).get("do_remote_decode"))
-
-
-def _is_decode_leg(request) -> bool:
-    return bool((request.kv_transfer_params or {}).get("do_remote_prefill"))
