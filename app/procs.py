@@ -4,7 +4,8 @@ vLLM engine processes outlive ``ray stop --force`` and a Ctrl-C of ``serve run``
 (re-parented to init, still holding NIXL side-channel ports), so we cannot rely on the
 process tree. Instead each run exports a marker variable; every descendant — Ray's
 raylet and workers, Serve replicas, vLLM EngineCore and workers — inherits it, and
-``/proc/<pid>/environ`` tells us who belongs to the run.
+``/proc/<pid>/environ`` tells us who belongs to the run. Listing processes, their names,
+command lines, children and CPU times, and signalling them, is psutil's.
 
 :class:`AppProcess` starts a run the way a user does (``python -m app.run CONFIG``, what
 ``make serve`` runs) in its own process group; the integration tests and the benchmarks
@@ -14,6 +15,7 @@ raylet and workers, Serve replicas, vLLM EngineCore and workers — inherits it,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -27,6 +29,8 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
+
+import psutil
 
 MARKER = "RENDEZVOUS_RUN_ID"
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +50,9 @@ def new_run_env(base: dict[str, str] | None = None, *, keep_existing: bool = Fal
 
 
 def _marker_of(pid: int) -> str | None:
+    """The run marker in ``pid``'s initial environment. Read by hand, not with psutil's
+    ``Process.environ()``: Ray's processes set their title (setproctitle), which overwrites
+    the start of that block with NULs, and psutil stops reading at the first empty entry."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
@@ -60,64 +67,52 @@ def find_processes(run_id: str | None) -> list[int]:
     """Pids carrying ``run_id`` (any run's, if None), excluding this process and its
     ancestors: the ``make serve`` that started ``app.run`` carries the marker too, and
     the sweep must not kill it (it exits on its own once ``app.run`` has)."""
-    skip = _ancestry(os.getpid())
+    me = psutil.Process()
+    skip = {me.pid} | {p.pid for p in me.parents() if p.pid > 1}
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) in skip:
-            continue
-        marker = _marker_of(int(entry.name))
-        if marker is not None and (run_id is None or marker == run_id):
-            pids.append(int(entry.name))
+    for pid in psutil.pids():
+        if pid not in skip and (marker := _marker_of(pid)) is not None and (run_id is None or marker == run_id):
+            pids.append(pid)
     return pids
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(comm, ppid) of ``pid``, or None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.index("(") + 1 : stat.rindex(")")], int(stat.rsplit(")", 1)[1].split()[1])
-
-
-def _ancestry(pid: int) -> set[int]:
-    """``pid`` and its ancestors."""
-    chain = set()
-    while pid > 1 and pid not in chain:
-        chain.add(pid)
-        stat = _stat(pid)
-        pid = stat[1] if stat is not None else 1
-    return chain
-
-
-def _all_stats() -> dict[int, tuple[str, int]]:
-    """(comm, ppid) of every process."""
-    stats = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
-            stats[int(entry.name)] = stat
-    return stats
+def _is_engine(name: str | None) -> bool:
+    """vLLM names its processes ``VLLM::EngineCore``, ``VLLM::Worker``…"""
+    return (name or "").startswith("VLLM::")
 
 
 def orphaned_engines() -> list[int]:
     """vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) whose parent died."""
-    return [pid for pid, (comm, ppid) in _all_stats().items() if comm.startswith("VLLM::") and ppid == 1]
+    return [p.pid for p in psutil.process_iter(["name", "ppid"]) if _is_engine(p.info["name"]) and p.info["ppid"] == 1]
 
 
 def engine_processes(deployment: str) -> list[int]:
     """vLLM engine processes (EngineCore and its workers) under the Serve replicas whose
     deployment name starts with ``deployment`` (e.g. ``Prefill``) — for fault injection."""
-    stats = _all_stats()
-    replicas = {pid for pid in stats if re.match(rf"ray::ServeReplica:[^:]+:{re.escape(deployment)}", _cmdline(pid))}
+    replica = re.compile(rf"ray::ServeReplica:[^:]+:{re.escape(deployment)}")
+    engines = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        if replica.match(_joined(proc.info["cmdline"])):
+            with contextlib.suppress(psutil.Error):  # the replica (or a child) is gone
+                engines |= {child.pid for child in proc.children(recursive=True) if _is_engine(_name(child))}
+    return sorted(engines)
 
-    def under_a_replica(pid: int) -> bool:
-        while pid > 1:
-            pid = stats.get(pid, ("", 1))[1]
-            if pid in replicas:
-                return True
-        return False
 
-    return sorted(pid for pid, (comm, _) in stats.items() if comm.startswith("VLLM::") and under_a_replica(pid))
+def _name(proc: psutil.Process) -> str | None:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return None
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User plus system CPU seconds the live processes among ``pids`` have used so far."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def kill_run(run_id: str | None, grace_s: float = 10.0) -> list[int]:
@@ -126,28 +121,35 @@ def kill_run(run_id: str | None, grace_s: float = 10.0) -> list[int]:
 
 
 def kill(pids: list[int], grace_s: float = 10.0) -> list[int]:
-    """SIGTERM ``pids``, SIGKILL what is left after ``grace_s``; return survivors."""
+    """SIGTERM ``pids``, SIGKILL what is left after ``grace_s``; return survivors. A zombie
+    counts as ended (its parent may never reap it). psutil refuses to signal a pid that was
+    reused by a new process meanwhile."""
+    procs = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            procs.append(psutil.Process(pid))
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in pids:
+        for proc in procs:
             try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
+                proc.send_signal(sig)
+            except psutil.NoSuchProcess:
                 pass
+            except psutil.AccessDenied as e:  # as os.kill would raise it
+                raise PermissionError(f"not allowed to signal pid {proc.pid}") from e
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
         while time.monotonic() < deadline:
-            pids = [p for p in pids if _alive(p)]
-            if not pids:
+            procs = [p for p in procs if _alive(p)]
+            if not procs:
                 return []
             time.sleep(0.2)
-    return pids
+    return [p.pid for p in procs]
 
 
-def _alive(pid: int) -> bool:
+def _alive(proc: psutil.Process) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"
 
 
 class AppProcess:
@@ -253,10 +255,17 @@ def _http_status(url: str, *, body: dict | None = None, timeout: float) -> int:
         return e.code
 
 
+def _joined(cmdline: list[str] | None) -> str:
+    """A command line as one string (a process that set its title may keep NULs in it)."""
+    return " ".join(cmdline or []).replace("\0", " ").strip()[:200]
+
+
 def _cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    except OSError:
+        return _joined(psutil.Process(pid).cmdline())
+    except psutil.ZombieProcess:
+        return ""  # what /proc/<pid>/cmdline holds for a zombie
+    except psutil.Error:
         return "?"
 
 

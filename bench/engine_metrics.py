@@ -13,27 +13,65 @@ helpers below therefore derive totals from bucket counts and say which bounds th
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal, TypeVar
 
 import httpx
-
-_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{(.*)\} ([-+0-9.eE]+|NaN|[+-]Inf)$')
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+from prometheus_client.parser import text_string_to_metric_families
 
 Snapshot = dict[str, dict[str, float]]
+Sample = tuple[str, dict[str, str], float]
+T = TypeVar("T")
 
 
-def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
-    samples = []
-    for line in httpx.get(url, timeout=10).text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            samples.append((m.group(1), dict(_LABEL.findall(m.group(2))), float(m.group(3))))
-    return samples
+def parse(text: str) -> list[Sample]:
+    """The labelled samples of a Prometheus text exposition, in order: (sample name, labels,
+    value as a float), parsed by prometheus_client (which Ray exports with). Names are the
+    samples' own (``…_total``, ``…_bucket``, ``…_sum``, ``…_count``); label values are unescaped.
+    Samples without labels are left out: Ray labels every sample of its own and the engines'."""
+    return [
+        (sample.name, sample.labels, float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels
+    ]
+
+
+def scrape(url: str) -> list[Sample]:
+    return parse(httpx.get(url, timeout=10).text)
+
+
+def settle(
+    read: Callable[[], T],
+    *,
+    quiet_s: float,
+    poll_s: float,
+    timeout_s: float | None,
+    on_timeout: Literal["raise", "return"] = "raise",
+    what: str = "metrics",
+) -> T:
+    """``read()`` once it stopped changing for ``quiet_s`` (polled every ``poll_s``): Ray
+    exports metrics every few seconds, so a fresh scrape can still lack the last requests.
+
+    Past ``timeout_s`` (None: no limit) it raises TimeoutError, or with ``on_timeout="return"``
+    returns the latest value."""
+    if on_timeout not in ("raise", "return"):
+        raise ValueError(f"on_timeout must be 'raise' or 'return', not {on_timeout!r}")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    value, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        if deadline is not None and time.monotonic() > deadline:
+            if on_timeout == "return":
+                return value
+            raise TimeoutError(f"{what} kept changing; is something else sending requests?")
+        time.sleep(poll_s)
+        latest = read()
+        if latest != value:
+            value, since = latest, time.monotonic()
+    return value
 
 
 def counted_by(url: str, name: str, label: str) -> Counter:
@@ -80,16 +118,7 @@ class RoleMetrics:
     def settled_snapshot(self, quiet_s: float = 12.0, timeout_s: float = 90.0) -> Snapshot:
         """A snapshot that stopped changing for ``quiet_s``: Ray exports engine metrics
         every few seconds, so a fresh scrape can still lack the last requests."""
-        deadline = time.monotonic() + timeout_s
-        snap, since = self.snapshot(), time.monotonic()
-        while time.monotonic() - since < quiet_s:
-            if time.monotonic() > deadline:
-                raise TimeoutError("engine metrics kept changing; is something else sending requests?")
-            time.sleep(2)
-            current = self.snapshot()
-            if current != snap:
-                snap, since = current, time.monotonic()
-        return snap
+        return settle(self.snapshot, quiet_s=quiet_s, poll_s=2.0, timeout_s=timeout_s, what="engine metrics")
 
     def wait_for(self, predicate, timeout_s: float = 60, poll_s: float = 1.0) -> Snapshot:
         """Poll until ``predicate(snapshot)`` is true (Ray exports metrics every few seconds)."""

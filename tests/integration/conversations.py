@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.engine_metrics import scrape
+from bench.engine_metrics import scrape, settle
 from tests.integration.cases import Generation, long_text
 
 MAX_TOKENS = 24
@@ -74,15 +74,8 @@ def ours(client) -> Counter:
 
 def settled_ours(client, quiet_s: float = 10.0, timeout_s: float = 90.0) -> Counter:
     """Our counters once they stopped changing: earlier turns may still be on their way
-    (Ray exports metrics every few seconds)."""
-    deadline = time.monotonic() + timeout_s
-    current, since = ours(client), time.monotonic()
-    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
-        time.sleep(1)
-        latest = ours(client)
-        if latest != current:
-            current, since = latest, time.monotonic()
-    return current
+    (Ray exports metrics every few seconds). Past ``timeout_s``, the latest counters."""
+    return settle(lambda: ours(client), quiet_s=quiet_s, poll_s=1.0, timeout_s=timeout_s, on_timeout="return")
 
 
 def wait_ours(client, predicate, timeout_s: float = 60) -> Counter:

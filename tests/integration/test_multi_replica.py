@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 
-from bench.engine_metrics import counted_by, delta, scrape
+from bench.engine_metrics import counted_by, delta, scrape, settle
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
 from tests.integration.conftest import app_client, with_args
@@ -45,13 +45,7 @@ def handled_by_replica(client, deployment: str) -> Counter:
 def settled_handled(client, deployment: str, quiet_s: float = 12.0) -> Counter:
     """Serve's counters once they stopped changing: a fresh scrape can still lack the
     last requests (Ray exports metrics every few seconds)."""
-    counts, since = handled_by_replica(client, deployment), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        time.sleep(2)
-        current = handled_by_replica(client, deployment)
-        if current != counts:
-            counts, since = current, time.monotonic()
-    return counts
+    return settle(lambda: handled_by_replica(client, deployment), quiet_s=quiet_s, poll_s=2.0, timeout_s=120.0, on_timeout="return")
 
 
 def wait_handled(client, deployment: str, before: Counter, total: int, timeout_s: float = 90) -> Counter:

@@ -5,7 +5,6 @@ serve`` ended every process it started, vLLM engines included, and freed every p
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import csv
 import itertools
 import json
@@ -21,11 +20,10 @@ from types import SimpleNamespace
 
 import httpx
 import openai
-import psutil
 import pytest
 
 from app.model_source import resolve_model_source
-from app.procs import BASE_URL, engine_processes
+from app.procs import BASE_URL, cpu_seconds, engine_processes
 from app.timeline import LOG_MARKER, RequestTimeline
 from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced
@@ -75,15 +73,6 @@ def test_kv_was_pushed_by_prefill_not_recomputed_by_decode(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            times = psutil.Process(pid).cpu_times()
-            total += times.user + times.system
-    return total
-
-
 def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identical(client, reference):
     """connector.idle_wait: decode's engine waits for pushed KV without stepping. One long
     prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
@@ -95,12 +84,12 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     assert len(expected.prompt_ids) > 2500
     prefill, decode = engine_processes("Prefill"), engine_processes("Decode")
     assert prefill and decode
-    before = _cpu_seconds(prefill), _cpu_seconds(decode)
+    before = cpu_seconds(prefill), cpu_seconds(decode)
     with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
-        prefill_cpu, decode_cpu = _cpu_seconds(prefill) - before[0], _cpu_seconds(decode) - before[1]
+        prefill_cpu, decode_cpu = cpu_seconds(prefill) - before[0], cpu_seconds(decode) - before[1]
         text = read_stream(SimpleNamespace(iter_lines=lambda: itertools.chain([first], lines)))
     assert text == expected.text, f"{text!r} != {expected.text!r}"
     print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk: prefill engine {prefill_cpu:.2f} CPU s, "

@@ -1,0 +1,174 @@
+"""bench/engine_metrics.py: parsing Ray's Prometheus text, snapshots by role, and waiting for
+metrics to settle, on synthetic text and a fake clock (no app, no HTTP server)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import bench.engine_metrics as em
+from bench.engine_metrics import RoleMetrics, counted_by, parse, settle
+
+INF = math.inf
+
+# (exposition text, the samples parse() returns)
+PARSE_CASES = {
+    "counter, names kept as exported": (
+        "# HELP ray_serve_num_http_requests_total Requests.\n"
+        "# TYPE ray_serve_num_http_requests_total counter\n"
+        'ray_serve_num_http_requests_total{route="/v1",method="POST"} 3.0\n',
+        [("ray_serve_num_http_requests_total", {"route": "/v1", "method": "POST"}, 3.0)],
+    ),
+    "escaped quote, backslash and newline; commas, equals and braces inside a value": (
+        'm{a="say \\"hi\\"",b="C:\\\\dir",c="x,y=z}",d="two\\nlines"} 1\n',
+        [("m", {"a": 'say "hi"', "b": "C:\\dir", "c": "x,y=z}", "d": "two\nlines"}, 1.0)],
+    ),
+    "histogram: buckets with +Inf, sum and count": (
+        "# TYPE ray_vllm_x histogram\n"
+        'ray_vllm_x_bucket{ReplicaId="r1",le="0.5"} 1.0\n'
+        'ray_vllm_x_bucket{ReplicaId="r1",le="+Inf"} 2.0\n'
+        'ray_vllm_x_sum{ReplicaId="r1"} 0.75\n'
+        'ray_vllm_x_count{ReplicaId="r1"} 2.0\n',
+        [
+            ("ray_vllm_x_bucket", {"ReplicaId": "r1", "le": "0.5"}, 1.0),
+            ("ray_vllm_x_bucket", {"ReplicaId": "r1", "le": "+Inf"}, 2.0),
+            ("ray_vllm_x_sum", {"ReplicaId": "r1"}, 0.75),
+            ("ray_vllm_x_count", {"ReplicaId": "r1"}, 2.0),
+        ],
+    ),
+    "special values and exponents": (
+        'g{k="inf"} +Inf\ng{k="-inf"} -Inf\ng{k="exp"} 1.5e3\ng{k="neg"} -2\n',
+        [("g", {"k": "inf"}, INF), ("g", {"k": "-inf"}, -INF), ("g", {"k": "exp"}, 1500.0), ("g", {"k": "neg"}, -2.0)],
+    ),
+    "samples without labels are left out, as before": (
+        "# TYPE process_cpu_seconds_total counter\nprocess_cpu_seconds_total 12.5\nup 1\n"
+        'python_gc_objects_collected_total{generation="0"} 7.0\n',
+        [("python_gc_objects_collected_total", {"generation": "0"}, 7.0)],
+    ),
+    "comments and blank lines": ("# a comment\n\n# HELP g help\n", []),
+}
+
+
+@pytest.mark.parametrize("text, expected", PARSE_CASES.values(), ids=PARSE_CASES.keys())
+def test_parse(text, expected):
+    got = parse(text)
+    assert got == expected
+    assert all(type(value) is float for _, _, value in got)  # "3" is 3.0, as the regex parser gave
+
+
+def test_parse_nan():
+    ((name, labels, value),) = parse('ray_vllm_x_sum{ReplicaId="r1"} NaN\n')
+    assert (name, labels) == ("ray_vllm_x_sum", {"ReplicaId": "r1"}) and math.isnan(value)
+
+
+PAGE = """\
+# TYPE ray_serve_deployment_request_counter_total counter
+ray_serve_deployment_request_counter_total{deployment="Prefill:abc",replica="p1",route="/"} 4.0
+ray_serve_deployment_request_counter_total{deployment="Decode:abc",replica="d1",route="/"} 5.0
+# TYPE ray_vllm_request_success_total counter
+ray_vllm_request_success_total{ReplicaId="p1",finished_reason="length"} 4.0
+ray_vllm_request_success_total{ReplicaId="d1",finished_reason="length"} 3.0
+ray_vllm_request_success_total{ReplicaId="d1",finished_reason="stop"} 2.0
+# TYPE ray_vllm_nixl_bytes_transferred histogram
+ray_vllm_nixl_bytes_transferred_bucket{ReplicaId="p1",le="1024.0"} 1.0
+ray_vllm_nixl_bytes_transferred_bucket{ReplicaId="p1",le="+Inf"} 2.0
+ray_vllm_nixl_bytes_transferred_count{ReplicaId="p1"} 2.0
+ray_vllm_gpu_cache_usage_perc{ReplicaId="gone"} 0.5
+"""
+
+
+@pytest.fixture
+def page(monkeypatch):
+    """scrape() reads PAGE (and a second copy for a second URL)."""
+    monkeypatch.setattr(em, "scrape", lambda url: parse(PAGE))
+
+
+def test_snapshot_maps_replicas_to_roles(page):
+    snap = RoleMetrics("http://x/metrics").snapshot()
+    assert snap["prefill"] == {
+        "request_success_total": 4.0,
+        "nixl_bytes_transferred_bucket[le=1024.0]": 1.0,
+        "nixl_bytes_transferred_bucket[le=+Inf]": 2.0,
+        "nixl_bytes_transferred_count": 2.0,
+    }
+    assert snap["decode"] == {"request_success_total": 5.0}
+    assert snap["replica:d1"] == {"request_success_total": 5.0}
+    assert snap["unknown"] == {"gpu_cache_usage_perc": 0.5}
+    assert RoleMetrics(["http://a/metrics", "http://b/metrics"]).snapshot()["decode"] == {"request_success_total": 10.0}
+
+
+def test_counted_by(page):
+    assert counted_by("http://x/metrics", "ray_vllm_request_success_total", "finished_reason") == {"length": 7.0, "stop": 2.0}
+
+
+# --------------------------------------------------------------------------- settle
+
+
+class Clock:
+    """time.monotonic and time.sleep of bench.engine_metrics, sleeping instantly."""
+
+    def __init__(self, monkeypatch):
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+        monkeypatch.setattr(em.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(em.time, "sleep", self.sleep)
+
+    def sleep(self, s: float) -> None:
+        self.sleeps.append(s)
+        self.now += s
+
+
+def reader(clock: Clock, values_by_time):
+    """read() returning the value for the current time: values_by_time is [(from_t, value)]."""
+    def read():
+        t = clock.now - 1000.0
+        return [v for since, v in values_by_time if since <= t][-1]
+    return read
+
+
+@pytest.mark.parametrize(
+    "changes, quiet_s, poll_s, expected_value, expected_elapsed",
+    [
+        ([(0, "a")], 12, 2, "a", 12),  # quiet from the start
+        ([(0, "a"), (4, "b")], 12, 2, "b", 16),  # seen at 4, quiet 12 more
+        ([(0, "a"), (3, "b"), (9, "c")], 10, 1, "c", 19),
+    ],
+)
+def test_settle_waits_for_quiet(monkeypatch, changes, quiet_s, poll_s, expected_value, expected_elapsed):
+    clock = Clock(monkeypatch)
+    got = settle(reader(clock, changes), quiet_s=quiet_s, poll_s=poll_s, timeout_s=90)
+    assert got == expected_value
+    assert clock.now - 1000.0 == expected_elapsed
+    assert set(clock.sleeps) == {poll_s}
+
+
+def test_settle_times_out_by_raising_or_returning(monkeypatch):
+    clock = Clock(monkeypatch)
+    changing = lambda: clock.now  # noqa: E731  never the same twice
+    with pytest.raises(TimeoutError, match="engine metrics kept changing"):
+        settle(changing, quiet_s=12, poll_s=2, timeout_s=90, what="engine metrics")
+    assert 90 < clock.now - 1000.0 <= 94
+    start = clock.now
+    assert settle(changing, quiet_s=10, poll_s=1, timeout_s=90, on_timeout="return") == clock.now
+    assert 90 < clock.now - start <= 92
+    with pytest.raises(ValueError):
+        settle(changing, quiet_s=1, poll_s=1, timeout_s=1, on_timeout="ignore")
+
+
+def test_settle_without_a_timeout_keeps_waiting(monkeypatch):
+    clock = Clock(monkeypatch)
+    read = lambda: min(clock.now - 1000.0, 500.0)  # noqa: E731  changes at every poll until 500 s
+    assert settle(read, quiet_s=12, poll_s=2, timeout_s=None) == 500.0
+    assert clock.now - 1000.0 == 512
+
+
+def test_settled_snapshot_polls_every_2_s_until_12_s_quiet(monkeypatch):
+    clock = Clock(monkeypatch)
+    metrics = RoleMetrics("http://x/metrics")
+    monkeypatch.setattr(metrics, "snapshot", reader(clock, [(0, {"decode": {"a": 1.0}}), (6, {"decode": {"a": 2.0}})]))
+    assert metrics.settled_snapshot() == {"decode": {"a": 2.0}}
+    assert clock.now - 1000.0 == 18 and set(clock.sleeps) == {2}
+    monkeypatch.setattr(metrics, "snapshot", lambda: {"decode": {"a": clock.now}})
+    with pytest.raises(TimeoutError, match="^engine metrics kept changing; is something else sending requests\\?$"):
+        metrics.settled_snapshot(timeout_s=30)
