@@ -50,7 +50,7 @@ from app.prompts import load_tokenizer, prompt_token_ids
 from app.routing import PublishedLoad
 from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
 from app.turns import TurnBook
-from connector.params import REUSE_KEY, TransferMode, external_request_id, new_transfer_request_id
+from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.ray_backend import register_backends
 from connector.stages import DecodeKvStamps, listen_for_decode_stamps
 
@@ -118,7 +118,8 @@ class DecodeServer(PDDecodeServer):
             mode=TransferMode(mode),
             local_prefill_below_tokens=local_prefill_below_tokens,
             late_binding=late_binding,
-            upstream_history=bool(conversations) and mode == "pull" and conversations.pull_history is PullHistory.UPSTREAM,
+            upstream_history=bool(conversations) and TransferMode(mode) is TransferMode.PULL
+            and conversations.pull_history is PullHistory.UPSTREAM,
             isolate_uncached=isolate_uncached,
         )
         self._setup(
@@ -143,7 +144,7 @@ class DecodeServer(PDDecodeServer):
             ConversationTable(conversations.retention_s), settings, metrics,
             recompute_threshold=conversations.recompute_threshold,
             block_size=lambda: self._vllm_config().cache_config.block_size,
-            kv_bytes_per_token=self._kv_bytes_per_token,
+            kv_bytes_per_token=lambda: kv_bytes_per_token(self._vllm_config()),
         )
         self._handoff = Handoff(
             mode=settings.mode,
@@ -274,12 +275,6 @@ class DecodeServer(PDDecodeServer):
             return None
         return cache.num_gpu_blocks * cache.block_size
 
-    def _kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, all tensor parallel ranks together."""
-        config = self._vllm_config()
-        model = config.model_config
-        itemsize = 1 if "fp8" in str(config.cache_config.cache_dtype) else model.dtype.itemsize
-        return 2 * model.get_total_num_hidden_layers() * model.get_total_num_kv_heads() * model.get_head_size() * itemsize
 
 
 def _engine_fields(request_id: str, decided: Plan) -> dict[str, Any]:

@@ -90,6 +90,14 @@ class ReuseReport:
         return cls(raw["reason"], *(int(raw.get(k) or 0) for k in ("reused_tokens", "pushed_tokens", "kv_bytes_per_token")))
 
 
+def kv_bytes_per_token(vllm_config: Any) -> int:
+    """K and V of every layer for one token, all tensor parallel ranks together (what a
+    transfer of one token's KV moves in all)."""
+    model = vllm_config.model_config
+    itemsize = 1 if "fp8" in str(vllm_config.cache_config.cache_dtype) else model.dtype.itemsize
+    return 2 * model.get_total_num_hidden_layers() * model.get_total_num_kv_heads() * model.get_head_size() * itemsize
+
+
 @dataclass(frozen=True)
 class PeerIdentity:
     """What a decode engine needs to reach a prefill engine's NIXL side channel."""

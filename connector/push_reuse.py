@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, is_prefill_leg, reusable_tokens
+from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, is_prefill_leg, kv_bytes_per_token, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -75,8 +75,7 @@ class ReuseScheduler(DeadlineScheduler):
     def init_reuse(self) -> None:
         self._offers, self._waiting_since, self._reports = {}, {}, {}
         self._single_group = len(self.kv_cache_config.kv_cache_groups) == 1
-        group = self.kv_cache_config.kv_cache_groups[0]
-        self._kv_bytes_per_token = group.kv_cache_spec.page_size_bytes * len(group.layer_names) // self.block_size
+        self._kv_bytes_per_token = kv_bytes_per_token(self.vllm_config)
 
     # ---- prefill side
 

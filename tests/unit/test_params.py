@@ -103,3 +103,21 @@ def test_history_read_back_is_cut_to_the_verified_whole_blocks():
 )
 def test_verified_history_is_the_block_aligned_common_prefix(held, prompt, want):
     assert verified_history_tokens(held, prompt, block_size=16) == want
+
+
+def test_kv_bytes_per_token_counts_k_and_v_of_every_layer_and_every_kv_head():
+    from types import SimpleNamespace
+
+    import torch
+
+    from connector.params import kv_bytes_per_token
+
+    def config(dtype, cache_dtype="auto"):
+        model = SimpleNamespace(dtype=dtype, get_total_num_hidden_layers=lambda: 30, get_total_num_kv_heads=lambda: 3,
+                                get_head_size=lambda: 64)
+        return SimpleNamespace(model_config=model, cache_config=SimpleNamespace(cache_dtype=cache_dtype))
+
+    # SmolLM2-135M: 30 layers x 3 KV heads x 64 dims, K and V.
+    assert kv_bytes_per_token(config(torch.float32)) == 2 * 30 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_token(config(torch.bfloat16)) == 23040
+    assert kv_bytes_per_token(config(torch.bfloat16, "fp8_e4m3")) == 11520
