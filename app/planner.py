@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from app.conversations import Turn
-from connector.params import ReuseReport, TransferMode
+from connector.params import ReuseReason, ReuseReport, TransferMode
 
 
 class Route(str, Enum):
@@ -24,7 +24,7 @@ class Route(str, Enum):
 
 
 # What became of a conversation turn's history, beyond Turn.reason and ReuseReport.reason.
-UNSUPPORTED = "unsupported"  # pull without read-back: prefill recomputes the history
+UNSUPPORTED = ReuseReason.UNSUPPORTED.value  # also pull without read-back: prefill recomputes the history
 UNREPORTED = "unreported"  # the prefill leg sent no report
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from app.conversations import ConversationTable, Turn
 from app.planner import PlanSettings, Route, turn_outcome
-from connector.params import REUSE_REPORT_KEY, ReuseReport, pull_history_params, verified_history_tokens
+from connector.params import REUSE_REPORT_KEY, ReuseReason, ReuseReport, pull_history_params, verified_history_tokens
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")
 
@@ -69,12 +69,14 @@ class TurnBook:
             del self._kept[cid]  # conversations that never came back; decode freed their blocks
         if not turn.reuse:
             return None
-        block_size, tokens, reason = self._block_size(), 0, "no_offer"  # e.g. the last turn was streamed
+        block_size, tokens, reason = self._block_size(), 0, ReuseReason.NO_OFFER  # e.g. the last turn was streamed
         if kept is not None:
             tokens = verified_history_tokens(kept.token_ids, prompt_ids, block_size)
-            reason = "no_match" if tokens == 0 else "threshold" if tokens < max(1, self._recompute_threshold) else "reused"
-        self._reports[request_id] = ReuseReport(reason, tokens if reason == "reused" else 0, 0, self._kv_bytes_per_token())
-        return pull_history_params(kept.params, tokens, block_size) if reason == "reused" else None
+            reason = (ReuseReason.NO_MATCH if tokens == 0 else ReuseReason.THRESHOLD
+                      if tokens < max(1, self._recompute_threshold) else ReuseReason.REUSED)
+        reused = reason is ReuseReason.REUSED
+        self._reports[request_id] = ReuseReport(reason.value, tokens if reused else 0, 0, self._kv_bytes_per_token())
+        return pull_history_params(kept.params, tokens, block_size) if reused else None
 
     def report(self, request_id: str) -> ReuseReport | None:
         return self._reports.get(request_id)

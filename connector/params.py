@@ -69,13 +69,23 @@ def is_decode_leg(params: dict[str, Any] | None) -> bool:
 _ENDPOINT_PREFIX = {"chat": "chatcmpl-", "completions": "cmpl-"}
 
 
+class ReuseReason(str, Enum):
+    """What became of a turn's history on the prefill leg (``ReuseReport.reason``)."""
+
+    REUSED = "reused"  # READ back from decode; only the rest computed
+    NO_OFFER = "no_offer"  # decode offered nothing in time (or kept nothing: pull)
+    NO_MATCH = "no_match"  # the offered history does not match the prompt's first block
+    THRESHOLD = "threshold"  # fewer matching tokens than kv_recompute_threshold: recomputed
+    UNSUPPORTED = "unsupported"  # this engine cannot reuse (several KV cache groups)
+
+
 @dataclass(frozen=True)
 class ReuseReport:
     """What the prefill leg did about a conversation turn's history (prefill -> decode, in
     the kv_transfer_params of prefill's response under ``REUSE_REPORT_KEY``; pull's decode
     replica writes its own)."""
 
-    reason: str  # reused, or why not: threshold, no_match, no_offer, ... (connector.push_reuse)
+    reason: str  # a ReuseReason (a str on the wire)
     reused_tokens: int = 0  # history READ back from decode instead of computed
     pushed_tokens: int = 0  # the rest, computed and pushed to decode
     kv_bytes_per_token: int = 0  # of this engine's KV cache, all layers

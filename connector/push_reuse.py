@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReport, is_prefill_leg, kv_bytes_per_token, reusable_tokens
+from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReason, ReuseReport, is_prefill_leg, kv_bytes_per_token, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -87,21 +87,21 @@ class ReuseScheduler(DeadlineScheduler):
         if params.get(_READING):  # asked again (the blocks could not be allocated last step)
             return max(0, params[_READING] - num_computed_tokens), params[_READING] > num_computed_tokens
         if not self._single_group:
-            return self._no_reuse(rid, "unsupported")
+            return self._no_reuse(rid, ReuseReason.UNSUPPORTED)
         arrived = self._offers.get(get_base_request_id(rid))
         if arrived is None:
             since = self._waiting_since.setdefault(rid, time.monotonic())
             if time.monotonic() - since < REUSE_OFFER_WAIT_S:
                 return None, False  # asked again next step
-            return self._no_reuse(rid, "no_offer")
+            return self._no_reuse(rid, ReuseReason.NO_OFFER)
         offer = arrived[1]
         reusable = reusable_tokens(offer["num_tokens"], request.num_prompt_tokens, self.block_size)
         count = reusable - num_computed_tokens
         pushed = offer["registered_blocks"] * self.block_size
         if reusable == 0:
-            return self._no_reuse(rid, "no_match", pushed=pushed)
+            return self._no_reuse(rid, ReuseReason.NO_MATCH, pushed=pushed)
         if count < max(1, self.kv_recompute_threshold):
-            return self._no_reuse(rid, "threshold", pushed=pushed)
+            return self._no_reuse(rid, ReuseReason.THRESHOLD, pushed=pushed)
         params.update(
             remote_engine_id=offer["engine_id"],
             remote_host=offer["host"],
@@ -111,14 +111,14 @@ class ReuseScheduler(DeadlineScheduler):
             remote_request_id=HISTORY_READ_ID,
         )
         params[_READING] = reusable
-        self._reports[rid] = self._report("reused", reused=count, pushed=pushed)
+        self._reports[rid] = self._report(ReuseReason.REUSED, reused=count, pushed=pushed)
         logger.debug("request %s: reading %d history tokens back from %s", rid, count, offer["engine_id"])
         return count, True
 
-    def _report(self, reason: str, reused: int = 0, pushed: int = 0) -> ReuseReport:
-        return ReuseReport(reason, reused, pushed, self._kv_bytes_per_token)
+    def _report(self, reason: ReuseReason, reused: int = 0, pushed: int = 0) -> ReuseReport:
+        return ReuseReport(reason.value, reused, pushed, self._kv_bytes_per_token)
 
-    def _no_reuse(self, rid: str, reason: str, pushed: int = 0):
+    def _no_reuse(self, rid: str, reason: ReuseReason, pushed: int = 0):
         self._waiting_since.pop(rid, None)
         self._reports[rid] = self._report(reason, pushed=pushed)
         return 0, False
