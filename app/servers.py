@@ -3,7 +3,8 @@
 Ray Serve LLM's ``PDDecodeServer`` already does what push needs once a connector backend
 asks for it: the ingress routes the request to a decode replica on arrival (through
 ``app.decode_router``), the decode replica binds a prefill replica (``choose_replica``)
-and sends both legs concurrently. ``DecodeServer`` adds:
+and sends both legs concurrently. ``DecodeServer`` gathers the facts of each request and
+carries out what ``app.planner`` decides; it adds:
 
 * a fresh, unique request id per request — vLLM pairs the two legs by that id, so it
   must never come from a client header that may repeat;
@@ -11,17 +12,18 @@ and sends both legs concurrently. ``DecodeServer`` adds:
   beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
   is prefilled by the decode engine itself: no prefill hop, no transfer; so is a request
   a prefill leg cannot serve (``app.eligibility``: several sequences, prompt logprobs,
-  what decode's engine would refuse);
+  what decode's engine would refuse) (``app.planner``);
 * late binding in pull mode — a disaggregated request without a conversation is only
   prefilled by the replica it reached first; the ingress then has it decoded where the
   load is lowest when prefill is done (``app.late_binding``);
 * a handoff that cannot hang — the prefill leg has ``prefill_timeout_s``; if it times out
   or fails before decode produced anything, decode prefills the prompt itself
-  (``fallback``) instead of waiting for KV that will never come, or failing the request;
+  (``fallback``) instead of waiting for KV that will never come, or failing the request
+  (``app.handoff``);
 * conversations — a turn with a ``conversation_id`` gets its conversation's prefix-cache
   salt on decode, and, when this replica still retains the conversation, both legs ask
   the engines to reuse the history (``app.conversations``, ``connector.push_reuse``);
-  what happened to each turn's history is logged and counted;
+  what happened to each turn's history is logged and counted (``app.turns``);
 * the load it carries (requests and tokens in flight, KV capacity) and the conversations
   it retains, published for the router through Serve's ``record_routing_stats`` hook,
   and counted in metrics.
