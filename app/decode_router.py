@@ -125,7 +125,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
         holders = self._holders(conversation, by_id, now) if conversation else set()
         snapshots = [
             snapshot_from_stats(
-                rid, self._replica_queue_len_cache.get(r.replica_id), r.routing_stats, now, self._sent_here[r.replica_id],
+                rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now, self._sent_here[r.replica_id],
                 holds_conversation=rid in holders,
             )
             for rid, r in by_id.items()

