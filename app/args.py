@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.routing import RoutingPolicy
-from connector.params import WRITE_MARGIN_S, TransferMode
+from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
 
 
@@ -296,10 +296,10 @@ class AppArgs(_Strict):
                 "conversations.pull_history: upstream is vLLM's pull-mode read-back of a conversation's history; it needs "
                 "mode: pull and conversations.enabled (push reuses history its own way)"
             )
-        if "bidirectional_kv_xfer" in self.nixl.extra_config:
-            problems.append("nixl.extra_config.bidirectional_kv_xfer: set conversations.pull_history: upstream (pull mode) instead")
-        if self.upstream_pull_history and "decoder_kv_blocks_ttl" in self.nixl.extra_config:
-            problems.append("nixl.extra_config.decoder_kv_blocks_ttl: with pull_history upstream it is conversations.retention_s")
+        if BIDIRECTIONAL_KEY in self.nixl.extra_config:
+            problems.append(f"nixl.extra_config.{BIDIRECTIONAL_KEY}: set conversations.pull_history: upstream (pull mode) instead")
+        if self.upstream_pull_history and DECODER_BLOCKS_TTL_KEY in self.nixl.extra_config:
+            problems.append(f"nixl.extra_config.{DECODER_BLOCKS_TTL_KEY}: with pull_history upstream it is conversations.retention_s")
         if self.conversations.enabled and self.decode.engine_kwargs.get("enable_prefix_caching") is False:
             problems.append("decode.engine_kwargs.enable_prefix_caching: conversations need it; set conversations.enabled: false")
         if problems:

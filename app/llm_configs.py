@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from app.args import Accelerator, AppArgs, DecodeRouter
-from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, KV_TIMEOUT_KEY, RECOMPUTE_THRESHOLD_KEY, TransferMode
+from connector.params import (
+    BIDIRECTIONAL_KEY,
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    DECODER_BLOCKS_TTL_KEY,
+    KV_TIMEOUT_KEY,
+    RECOMPUTE_THRESHOLD_KEY,
+    TransferMode,
+)
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 
@@ -37,8 +45,8 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     elif args.upstream_pull_history:
-        extra["bidirectional_kv_xfer"] = True
-        extra["decoder_kv_blocks_ttl"] = args.conversations.retention_s
+        extra[BIDIRECTIONAL_KEY] = True
+        extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],

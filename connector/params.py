@@ -40,8 +40,11 @@ REUSE_REPORT_KEY = "rendezvous_reuse_report"
 # When the prefill engine had a leg (wall clock, seconds): its arrival at the engine, first
 # scheduled, finished. In the kv_transfer_params of prefill's response (connector/stages.py).
 STAGES_KEY = "rendezvous_stages"
-# vLLM's own kv_connector_extra_config key: fewer reusable tokens than this are recomputed.
+# vLLM's own kv_connector_extra_config keys: fewer reusable tokens than this are recomputed;
+# pull's read-back of a conversation's history (decode keeps its blocks for this many seconds).
 RECOMPUTE_THRESHOLD_KEY = "kv_recompute_threshold"
+BIDIRECTIONAL_KEY = "bidirectional_kv_xfer"
+DECODER_BLOCKS_TTL_KEY = "decoder_kv_blocks_ttl"
 # How long prefill waits for decode's offer before it computes the whole prompt.
 REUSE_OFFER_WAIT_S = 2.0
 
