@@ -40,10 +40,16 @@ def with_prompt_tokens(request: Any, prompt_tokens: int) -> Any:
     return request.model_copy(update={PROMPT_TOKENS_FIELD: prompt_tokens})
 
 
+def said_prompt_tokens(request: Any) -> int | None:
+    """The prompt tokens a leg says it has (:data:`PROMPT_TOKENS_FIELD`), if it says."""
+    said = getattr(request, PROMPT_TOKENS_FIELD, None)
+    return said if isinstance(said, int) and not isinstance(said, bool) and said >= 0 else None
+
+
 def leg_tokens(request: Any) -> int:
     """The prompt tokens of a prefill leg: as it says, else estimated from its text."""
-    said = getattr(request, PROMPT_TOKENS_FIELD, None)
-    if isinstance(said, int) and not isinstance(said, bool) and said >= 0:
+    said = said_prompt_tokens(request)
+    if said is not None:
         return said
     prompt = getattr(request, "prompt", None)
     if isinstance(prompt, list):

@@ -47,7 +47,7 @@ from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.prefill_router import with_prompt_tokens
+from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
 from app.routing import PublishedLoad
 from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
@@ -85,7 +85,10 @@ class PrefillServer(PDPrefillServer):
         return self._counted(request, await super().completions(request, raw_request_info))
 
     async def _counted(self, request, chunks):
-        tokens = len(prompt_token_ids(self._tokenizer, request) or ())
+        # The decode replica counted them already (app.prefill_router); tokenize only a leg that does not say.
+        tokens = said_prompt_tokens(request)
+        if tokens is None:
+            tokens = len(prompt_token_ids(self._tokenizer, request) or ())
         self._ongoing += 1
         self._tokens_in_flight += tokens
         try:

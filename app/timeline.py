@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.planner import Route
+from connector.stages import PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
 LOG_MARKER = "rendezvous_timeline "
@@ -70,12 +71,13 @@ class RequestTimeline:
     def stamp(self, name: str, at: float) -> None:
         self.stamps.setdefault(name, at)  # the first time counts
 
-    def add_prefill_report(self, report: dict[str, Any] | None) -> None:
-        """The prefill engine's own stamps (``connector.stages``), if it sent them."""
-        for name, key in ((PREFILL_QUEUED, "queued"), (PREFILL_STARTED, "started"), (PREFILL_FINISHED, "finished")):
-            value = (report or {}).get(key)
-            if isinstance(value, (int, float)):
-                self.stamp(name, float(value))
+    def add_prefill_report(self, report: Any) -> None:
+        """The prefill engine's own stamps (``connector.stages.PrefillStages`` on the wire), if it sent them."""
+        stages = PrefillStages.from_wire(report)
+        for name, value in ((PREFILL_QUEUED, stages.queued), (PREFILL_STARTED, stages.started),
+                            (PREFILL_FINISHED, stages.finished)):
+            if value is not None:
+                self.stamp(name, value)
 
     def add_decode_kv_stamps(self, requested: float, landed: float) -> None:
         """The decode engine's own stamps (``connector.stages.DecodeKvStamps``)."""

@@ -90,7 +90,7 @@ class StageClock:
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):
-            params[STAGES_KEY] = stage_times(getattr(request, "arrival_time", None), started, time.time())
+            params[STAGES_KEY] = PrefillStages(getattr(request, "arrival_time", None), started, time.time()).to_wire()
         return delay, params
 
     def _send_stamps(self, stamps: DecodeKvStamps) -> None:
@@ -104,8 +104,26 @@ class StageClock:
             pass
 
 
-def stage_times(queued: float | None, started: float | None, finished: float) -> dict[str, Any]:
-    return {"queued": queued, "started": started, "finished": finished}
+@dataclass(frozen=True)
+class PrefillStages:
+    """Prefill engine -> orchestrator: when it had a leg (in prefill's response, ``STAGES_KEY``)."""
+
+    queued: float | None  # arrived at the engine (vLLM's Request.arrival_time)
+    started: float | None  # first scheduled to compute
+    finished: float | None
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> PrefillStages:
+        """Whatever of it is there and a number (another build may send less)."""
+        raw = raw if isinstance(raw, dict) else {}
+        return cls(*(_seconds(raw.get(name)) for name in ("queued", "started", "finished")))
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def listen_for_decode_stamps(on_stamps: Callable[[DecodeKvStamps], None]) -> socket.socket | None:

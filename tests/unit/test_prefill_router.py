@@ -82,3 +82,25 @@ def test_the_default_prefill_policy_weighs_tokens_over_requests():
     assert isinstance(policy, RoutingPolicy)
     assert policy.scorers["least_tokens"] > policy.scorers.get("least_ongoing", 0)
     assert "conversation" not in policy.scorers and "kv_room" not in policy.filters
+
+
+def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_it_again():
+    from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
+
+    from app.servers import PrefillServer
+
+    server = PrefillServer.__new__(PrefillServer)
+    server._tokenizer = None  # a leg that says nothing would count 0
+    server._ongoing = server._tokens_in_flight = 0
+    seen = []
+
+    async def engine_chunks():
+        seen.append((server._ongoing, server._tokens_in_flight))
+        yield "chunk"
+
+    async def run(request):
+        return [chunk async for chunk in server._counted(request, engine_chunks())]
+
+    assert asyncio.run(run(with_prompt_tokens(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
+    asyncio.run(run(CompletionRequest(model="m", prompt="hi")))
+    assert seen == [(1, 4000), (1, 0)] and (server._ongoing, server._tokens_in_flight) == (0, 0)
