@@ -139,12 +139,12 @@ class DecodeServer(PDDecodeServer):
 
     def _setup(self, settings: PlanSettings, *, replica_id: str, tokenizer, prefill_timeout_s: float, conversations,
                metrics) -> None:
-        """Everything but Ray's own state; tests call it on an object without an engine."""
+        """Everything but Ray's own state; tests call it on an object without an engine.
+        ``conversations``: ``app.args.ConversationArgs``, or None when conversations are off."""
         self._settings, self._replica_id, self._tokenizer, self._metrics = settings, replica_id, tokenizer, metrics
         self._ongoing = 0
         self._tokens_in_flight = 0
         self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
-        # ConversationArgs, or None when conversations are off.
         self._turns = None if not conversations else TurnBook(
             ConversationTable(conversations.retention_s), settings, metrics,
             recompute_threshold=conversations.recompute_threshold,
