@@ -160,8 +160,7 @@ class DecodeServer(PDDecodeServer):
             push=lambda request, raw: self._pd_handle_request(request, raw),
             prefill=getattr(self, "_prefill_handle", None),
             backend=lambda: self._get_connector_backend(),
-            on_prefill_params=self._turns.prefill_reported if self._turns else lambda request_id, params: None,
-            on_kept=self._turns.kept if self._turns else lambda request_id, params: None,
+            **({"on_prefill_params": self._turns.prefill_reported, "on_kept": self._turns.kept} if self._turns else {}),
         )
 
     async def chat(self, request, raw_request_info=None):

@@ -143,9 +143,7 @@ def listen_for_decode_stamps(on_stamps: Callable[[DecodeKvStamps], None]) -> soc
         while True:
             try:
                 data = sock.recv(4096)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
+            except OSError:  # nothing more to read (BlockingIOError), or the socket closed
                 return
             stamps = DecodeKvStamps.from_wire(data)
             if stamps is not None:
