@@ -121,6 +121,7 @@ _IDLE = ("connector/idle_wait.py",)
 _REUSE = ("connector/push_reuse.py",)
 _DEADLINE = ("connector/push_deadline.py",)
 _STAGES = ("connector/stages.py",)
+_ORDER = ("connector/transfer_order.py",)
 _ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
 
 SEAMS: list[Seam] = [
@@ -285,6 +286,16 @@ SEAMS: list[Seam] = [
         "num_gpu_blocks": ("app/servers.py",),
     }, "size the KV per token (fp8 or not); count history in blocks; publish the KV capacity for routing"),
     Seam("vllm", _BASE_S, "vllm_config", "instance", _REUSE, "size the KV bytes per token of the reuse report"),
+    # ------------------------------------------------------------------ vLLM: transfers before the forward
+    Seam("vllm", "vllm.platforms", "current_platform", "import", _ORDER,
+         "tell whether the forward blocks (is_cpu)"),
+    Seam("vllm", "vllm.v1.core.sched.output:SchedulerOutput", "has_sync_kv_loads", "attribute", _ORDER,
+         "start a step's KV transfers before its forward where the forward blocks (CPU)"),
+    Seam("vllm", "vllm.v1.worker.kv_connector_model_runner_mixin:KVConnectorModelRunnerMixin",
+         "_get_kv_connector_output", "behaviour", _ORDER,
+         "start a step's KV transfers before its forward where the forward blocks (CPU): the flag only orders them",
+         snippet="start_after_forward = not scheduler_output.has_sync_kv_loads",
+         checked_by="tests/unit/test_transfer_order.py::test_vllm_starts_loads_before_the_forward_only_when_told"),
     # ------------------------------------------------------------------ vLLM: elsewhere
     Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "schedule", "behaviour", _REUSE,
          "hold a prefill back while its offer is due: a None match means 'ask again next step'", checked_by=T_PUSH),

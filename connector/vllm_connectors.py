@@ -23,7 +23,8 @@ And they keep NIXL's UCX progress thread from busy-polling a core per engine
 Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``),
 reuse of a conversation's history held by decode (``connector.push_reuse``), and engines
 that sleep instead of stepping while they only wait for KV (``connector.idle_wait``). Pull only:
-vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``).
+vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``). Both:
+transfers that start before the forward pass where it blocks (``connector.transfer_order``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_TIMEOUT_KEY
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock
+from connector.transfer_order import TransfersFirst
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
@@ -81,11 +83,11 @@ def _calm_ucx_progress(vllm_config) -> None:
     calm_progress_threads(extra.get("backends") or ["UCX"])  # vLLM's default backend list
 
 
-class PushScheduler(StageClock, IdleScheduler):
+class PushScheduler(TransfersFirst, StageClock, IdleScheduler):
     pass
 
 
-class PullScheduler(StageClock, HistoryPullScheduler):
+class PullScheduler(TransfersFirst, StageClock, HistoryPullScheduler):
     pass
 
 
