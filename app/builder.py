@@ -21,6 +21,7 @@ from app.args import AppArgs
 from app.ingress import ENDPOINTS, Ingress, make_app
 from app.llm_configs import llm_config
 from app.model_source import resolve_model_source
+from app.readiness import DECODE_PREFIX, PREFILL_PREFIX, ReadinessProbe
 from app.servers import DecodeServer, PrefillServer
 from connector.ports import Role
 
@@ -31,10 +32,10 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     prefill_config = LLMConfig.model_validate(llm_config(app_args, Role.PREFILL, source))
     decode_config = LLMConfig.model_validate(llm_config(app_args, Role.DECODE, source))
 
-    prefill = build_llm_deployment(prefill_config, name_prefix="Prefill:", deployment_cls=PrefillServer)
+    prefill = build_llm_deployment(prefill_config, name_prefix=PREFILL_PREFIX, deployment_cls=PrefillServer)
     decode = build_llm_deployment(
         decode_config,
-        name_prefix="Decode:",
+        name_prefix=DECODE_PREFIX,
         bind_kwargs={
             "prefill_server": prefill,
             "mode": app_args.mode.value,
@@ -48,7 +49,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     )
     model_id = app_args.model.id
     ingress = serve.deployment(
-        make_fastapi_ingress(Ingress, endpoint_map=ENDPOINTS, app=make_app(app_args.ingress)),
+        make_fastapi_ingress(Ingress, endpoint_map=ENDPOINTS, app=make_app(app_args.ingress, ReadinessProbe(app_args.mode.value))),
         name="OpenAiIngress",
         num_replicas=app_args.ingress.replicas,
         max_ongoing_requests=app_args.ingress.max_ongoing_requests,

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus a health route, OpenAI-shaped
+"""The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus health and readiness routes
+(``app.readiness``: a quick 503 for generation requests while the app cannot answer), OpenAI-shaped
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
 a bounded number of generation requests in flight per ingress replica, beyond which the
 client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
@@ -34,6 +35,7 @@ from vllm.exceptions import VLLMClientError
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
+from app.readiness import RETRY_AFTER_S, ReadinessProbe
 from app.timeline import ARRIVED, FIRST_CHUNK, RequestTimeline
 
 logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
@@ -49,7 +51,7 @@ _ERROR_TYPES = {
 # The request models the endpoints parse (Ray Serve LLM's, vLLM's underneath).
 _REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 GENERATION_PATHS = tuple(_REQUEST_MODELS)
-OPEN_PATHS = ("/health",)  # probes never carry the key
+OPEN_PATHS = ("/health", "/ready")  # probes never carry the key
 
 
 def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None) -> JSONResponse:
@@ -85,11 +87,19 @@ class Admission:
         self.in_flight -= 1
 
 
-def make_app(args: IngressArgs | None = None) -> FastAPI:
+def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None = None) -> FastAPI:
+    """The ingress's FastAPI app; with ``readiness`` (the disaggregated app's) also
+    ``/ready``, and a quick 503 for generation requests while the app cannot answer."""
     args = args or IngressArgs()
     retry_after_s, max_body_bytes, api_key_env = args.retry_after_s, args.max_body_bytes, args.api_key_env
     app = init()
     admission = Admission(args.max_in_flight)
+
+    if readiness is not None:
+        @app.get("/ready")
+        async def _ready() -> JSONResponse:
+            state = await readiness.fresh()
+            return JSONResponse(status_code=200 if state.ready else 503, content=state.body())
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -102,6 +112,11 @@ def make_app(args: IngressArgs | None = None) -> FastAPI:
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
+        if readiness is not None and not (state := await readiness.current()).ready:
+            return openai_error(
+                503, f"not ready yet ({state.reason}); retry after {RETRY_AFTER_S} s, or wait for GET /ready to answer 200",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         # Admission before the body is read and validated: under overload a rejection must cost nearly nothing.
         if not admission.try_enter():
             return openai_error(

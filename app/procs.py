@@ -184,13 +184,21 @@ class AppProcess:
         return self
 
     def wait_ready(self, timeout_s: float = 900) -> None:
+        """Until ``/ready`` answers 200 (the disaggregated app; ``/v1/models`` where there is
+        no ``/ready``: the aggregated baseline), then one tiny request proves the path.
+        ``readiness_seen`` keeps the statuses ``/ready`` gave on the way, in order."""
+        self.readiness_seen: list[int] = []
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"app exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
             try:
-                if _http_status(f"{self.base_url}/v1/models", timeout=5) == 200:
-                    # Models are listed before every replica is up; one tiny request proves the path.
+                status = (read_readiness(f"{self.base_url}/ready") or (None,))[0]
+                if status is not None and (not self.readiness_seen or self.readiness_seen[-1] != status):
+                    self.readiness_seen.append(status)
+                if status is None:  # no readiness route (yet, or at all): models are listed before replicas are up
+                    status = _http_status(f"{self.base_url}/v1/models", timeout=5)
+                if status == 200:
                     body = {"prompt": "Hi", "max_tokens": 1}
                     if _http_status(f"{self.base_url}/v1/completions", body=body, timeout=120) == 200:
                         return
@@ -253,6 +261,24 @@ def _http_status(url: str, *, body: dict | None = None, timeout: float) -> int:
             return response.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+def read_readiness(url: str) -> tuple[int, dict] | None:
+    """Status (200 or 503) and body of the app's readiness route (``app.readiness``), or
+    None while it is not ours that answers (Serve's proxy before the ingress is up, an app
+    without ``/ready``, nothing listening)."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    except (OSError, http.client.HTTPException):
+        return None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return (status, body) if status in (200, 503) and isinstance(body, dict) and "ready" in body else None
 
 
 def _joined(cmdline: list[str] | None) -> str:

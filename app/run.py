@@ -1,14 +1,19 @@
-"""``make serve``: run ``serve run CONFIG`` in the foreground and, however it ends
-(Ctrl-C, SIGTERM, crash), end every process it started before returning."""
+"""``make serve``: run ``serve run CONFIG`` in the foreground, say when the app can answer
+(and how far it got until then), and, however it ends (Ctrl-C, SIGTERM, crash), end every
+process it started before returning."""
 
 from __future__ import annotations
 
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
-from app.procs import MARKER, kill_run, new_run_env
+import yaml
+
+from app.procs import MARKER, kill_run, new_run_env, read_readiness
 
 _STOP_GRACE_S = 90
 
@@ -39,6 +44,7 @@ def main(argv: list[str]) -> int:
         env=env,
         start_new_session=True,
     )
+    threading.Thread(target=_say_when_ready, args=(config, child), daemon=True).start()
     try:
         code = _wait_for(child, stop_requested_at)
     finally:
@@ -49,6 +55,35 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
     return code
+
+
+def _base_url(config: str) -> str:
+    """Where the config's Serve proxy listens (Serve's defaults where it says nothing)."""
+    try:
+        http = (yaml.safe_load(Path(config).read_text()) or {}).get("http_options") or {}
+    except (OSError, yaml.YAMLError):
+        http = {}
+    return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+
+
+def _say_when_ready(config: str, child: subprocess.Popen, period_s: float = 3.0) -> None:
+    """One line per change of the app's readiness while it starts, then one line once it
+    can answer (``app.readiness``): what to wait for, instead of reading Ray's logs."""
+    base = _base_url(config)
+    last = None
+    while child.poll() is None:
+        body = (read_readiness(f"{base}/ready") or (None, None))[1]
+        if body is not None and body.get("ready"):
+            print(
+                f"[rendezvous] ready: {base}/v1 — {body.get('mode')}, {body.get('prefill_replicas')} prefill + "
+                f"{body.get('decode_replicas')} decode",
+                file=sys.stderr, flush=True,
+            )
+            return
+        if body is not None and (body.get("decode"), body.get("prefill")) != last:
+            last = (body.get("decode"), body.get("prefill"))
+            print(f"[rendezvous] starting: decode {last[0]}; prefill {last[1]}", file=sys.stderr, flush=True)
+        time.sleep(period_s)
 
 
 def _wait_for(child: subprocess.Popen, stop_requested_at: list[float]) -> int:

@@ -26,7 +26,7 @@ from app.model_source import resolve_model_source
 from app.procs import BASE_URL, cpu_seconds, engine_processes
 from app.timeline import LOG_MARKER, RequestTimeline
 from bench.engine_metrics import counted_by, delta, scrape
-from bench.faults import healthy_replicas, wait_replaced
+from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.plots import plot_results
 from bench.profiles import app_args_of, load_config
@@ -173,6 +173,20 @@ def test_stock_openai_client_works_unchanged(client, reference):
 def test_health_route(client):
     r = client.http.get("/health")
     assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_ready_said_503_while_the_engines_started_and_200_before_the_first_request(client):
+    """Readiness (app.readiness): the start-up (conftest's wait_ready polls /ready) saw 503,
+    then 200, and nothing else; `make serve` said so in one line."""
+    assert client.app.readiness_seen == [503, 200], client.app.readiness_seen
+    r = client.http.get("/ready")
+    assert r.status_code == 200 and r.json() == {
+        "ready": True, "mode": "push", "decode": "1/1 replicas ready", "prefill": "1/1 replicas ready",
+        "decode_replicas": 1, "prefill_replicas": 1,
+    }
+    log = client.app.log_path.read_text(errors="replace")
+    assert "[rendezvous] ready: http://127.0.0.1:8000/v1 — push, 1 prefill + 1 decode" in log, log[-3000:]
+    assert "[rendezvous] starting: decode " in log
 
 
 @pytest.mark.slow
@@ -385,11 +399,16 @@ def test_a_killed_prefill_engine_loses_no_request_and_its_replica_recovers(clien
 
     engines = engine_processes("Prefill")
     assert engines, "no prefill engine process found"
+    not_ready = []  # /ready stays 200 throughout: decode prefills locally while prefill is replaced
     with cf.ThreadPoolExecutor(len(cases)) as pool:
         futures = [pool.submit(answer, case) for case in cases]
         time.sleep(0.5)  # in flight: the long prompts are still being prefilled
         for pid in engines:
             os.kill(pid, signal.SIGKILL)
+        while not all(f.done() for f in futures):
+            if (ready := client.http.get("/ready")).status_code != 200:
+                not_ready.append(ready.json())
+            time.sleep(1)
         results = [f.result() for f in futures]
     for case, want, (status, body) in zip(cases, expected, results):
         if status == 200:
@@ -398,9 +417,37 @@ def test_a_killed_prefill_engine_loses_no_request_and_its_replica_recovers(clien
             assert status in (500, 502, 503) and set(body) == {"error"} and "Traceback" not in json.dumps(body), (status, body)
 
     wait_replaced(client.metrics.url, "Prefill", gone=set(replicas), count=1)
+    assert not_ready == [], f"/ready said 503 while decode could prefill locally: {not_ready}"
     assert_kv_travelled(client, reference, CONFIG, writer="prefill")
     grown = _requests_by_prefill_path(client) - before
     assert grown["fallback"] >= 1, f"requests by prefill path: {dict(grown)}"
+
+
+@pytest.mark.slow
+def test_while_no_decode_replica_can_serve_ready_is_503_and_generation_a_quick_503(client, reference):
+    """Readiness after a loss (app.readiness): SIGKILL the only decode replica. /ready turns
+    503 and says what is missing; a generation request meanwhile gets a quick 503 with
+    Retry-After (not a wait in a queue); once Serve's replacement serves, /ready is 200
+    again and answers are token-identical."""
+    replicas = healthy_replicas(client.metrics.url, "Decode")
+    assert len(replicas) == 1 and client.http.get("/ready").status_code == 200, replicas
+    os.kill(worker_pid(next(iter(replicas.values()))), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (ready := client.http.get("/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "/ready still 200 a minute after the only decode replica died"
+        time.sleep(0.5)
+    assert ready.status_code == 503 and ready.json()["ready"] is False and ready.json()["decode_replicas"] == 0, ready.json()
+    case = CASE_BY_NAME["completion-short"]
+    started = time.monotonic()
+    refused = client.post(case.endpoint, json=case.body(), timeout=30)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0, refused.text
+    assert refused.json()["error"]["type"] == "server_error" and time.monotonic() - started < 5
+    wait_replaced(client.metrics.url, "Decode", gone=set(replicas), count=1)
+    deadline = time.monotonic() + 120
+    while client.http.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the replacement decode replica is healthy but /ready is not 200"
+        time.sleep(2)
+    assert_token_identical(client, reference, case)
 
 
 # Fuzzed and overload traffic: after the load step, whose transfer counts need a quiet app

@@ -532,3 +532,17 @@ def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
     for group in groups:
         env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rendezvous-api-key", "key": "api-key"}
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_worker_pods_are_ready_when_the_app_can_answer_and_the_head_keeps_kuberays_probes(overlay, config):
+    """Workers: readiness on the app's /ready (app.readiness) at the Serve port of the config.
+    The head: none of ours, or KubeRay would never submit the app (it waits for a ready head)."""
+    manifests = rendered(overlay, config)
+    port = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("port", 8000)
+    for name, group in worker_groups(manifests).items():
+        (container,) = group["template"]["spec"]["containers"]
+        assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": port}, name
+        assert "livenessProbe" not in container, name  # KubeRay's default: the raylet
+    head = rayservice(manifests)["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "readinessProbe" not in head and "livenessProbe" not in head
