@@ -423,33 +423,6 @@ def test_a_killed_prefill_engine_loses_no_request_and_its_replica_recovers(clien
     assert grown["fallback"] >= 1, f"requests by prefill path: {dict(grown)}"
 
 
-@pytest.mark.slow
-def test_while_no_decode_replica_can_serve_ready_is_503_and_generation_a_quick_503(client, reference):
-    """Readiness after a loss (app.readiness): SIGKILL the only decode replica. /ready turns
-    503 and says what is missing; a generation request meanwhile gets a quick 503 with
-    Retry-After (not a wait in a queue); once Serve's replacement serves, /ready is 200
-    again and answers are token-identical."""
-    replicas = healthy_replicas(client.metrics.url, "Decode")
-    assert len(replicas) == 1 and client.http.get("/ready").status_code == 200, replicas
-    os.kill(worker_pid(next(iter(replicas.values()))), signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while (ready := client.http.get("/ready")).status_code == 200:
-        assert time.monotonic() < deadline, "/ready still 200 a minute after the only decode replica died"
-        time.sleep(0.5)
-    assert ready.status_code == 503 and ready.json()["ready"] is False and ready.json()["decode_replicas"] == 0, ready.json()
-    case = CASE_BY_NAME["completion-short"]
-    started = time.monotonic()
-    refused = client.post(case.endpoint, json=case.body(), timeout=30)
-    assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0, refused.text
-    assert refused.json()["error"]["type"] == "server_error" and time.monotonic() - started < 5
-    wait_replaced(client.metrics.url, "Decode", gone=set(replicas), count=1)
-    deadline = time.monotonic() + 120
-    while client.http.get("/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the replacement decode replica is healthy but /ready is not 200"
-        time.sleep(2)
-    assert_token_identical(client, reference, case)
-
-
 # Fuzzed and overload traffic: after the load step, whose transfer counts need a quiet app
 # (overload's fallbacks count failed transfers that Ray exports seconds later).
 FUZZ_EXAMPLES = 120  # fixed and derandomized: the same bodies on every run
@@ -648,3 +621,31 @@ def test_an_edited_history_reuses_only_the_prefix_that_still_matches(client, ref
     reused = _counted(after, before, "conversation_prompt_tokens", "reused")
     assert 0 < reused <= matching < len(held) - _SLACK, (reused, matching, len(held))
     assert reused > matching - _SLACK
+
+
+# Last in the module: it replaces the decode replica, whose counters vanish with it.
+@pytest.mark.slow
+def test_while_no_decode_replica_can_serve_ready_is_503_and_generation_a_quick_503(client, reference):
+    """Readiness after a loss (app.readiness): SIGKILL the only decode replica. /ready turns
+    503 and says what is missing; a generation request meanwhile gets a quick 503 with
+    Retry-After (not a wait in a queue); once Serve's replacement serves, /ready is 200
+    again and answers are token-identical."""
+    replicas = healthy_replicas(client.metrics.url, "Decode")
+    assert len(replicas) == 1 and client.http.get("/ready").status_code == 200, replicas
+    os.kill(worker_pid(next(iter(replicas.values()))), signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while (ready := client.http.get("/ready")).status_code == 200:
+        assert time.monotonic() < deadline, "/ready still 200 a minute after the only decode replica died"
+        time.sleep(0.5)
+    assert ready.status_code == 503 and ready.json()["ready"] is False and ready.json()["decode_replicas"] == 0, ready.json()
+    case = CASE_BY_NAME["completion-short"]
+    started = time.monotonic()
+    refused = client.post(case.endpoint, json=case.body(), timeout=30)
+    assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0, refused.text
+    assert refused.json()["error"]["type"] == "server_error" and time.monotonic() - started < 5
+    wait_replaced(client.metrics.url, "Decode", gone=set(replicas), count=1)
+    deadline = time.monotonic() + 120
+    while client.http.get("/ready").status_code != 200:
+        assert time.monotonic() < deadline, "the replacement decode replica is healthy but /ready is not 200"
+        time.sleep(2)
+    assert_token_identical(client, reference, case)
