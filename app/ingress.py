@@ -111,14 +111,17 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             return await call_next(request)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
+            _rejected().inc(tags={"reason": "too_large"})
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
         if readiness is not None and not (state := await readiness.current()).ready:
+            _rejected().inc(tags={"reason": "not_ready"})
             return openai_error(
                 503, f"not ready yet ({state.reason}); retry after {RETRY_AFTER_S} s, or wait for GET /ready to answer 200",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         # Admission before the body is read and validated: under overload a rejection must cost nearly nothing.
         if not admission.try_enter():
+            _rejected().inc(tags={"reason": "busy"})
             return openai_error(
                 429,
                 f"server busy: {admission.limit} requests in flight on this replica; retry after {retry_after_s} s",
@@ -160,6 +163,7 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
                 return openai_error(503, f"authentication is on (ingress.api_key_env) but {api_key_env} is not set here")
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+                _rejected().inc(tags={"reason": "unauthorized"})
                 return openai_error(
                     401, "missing or wrong API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
                 )
@@ -174,6 +178,7 @@ async def _prepare_body(request: Request, max_body_bytes: int) -> Response | Non
     ``conversation_id`` into the header; an error response if the body cannot be served."""
     body = await request.body()
     if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
+        _rejected().inc(tags={"reason": "too_large"})
         return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
     try:
         payload = json.loads(body)
@@ -212,6 +217,16 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
     except Exception as e:  # noqa: BLE001 - any crash on client input is the client's 400
         return f"{type(e).__name__}: {e}"
     return None
+
+
+@functools.cache
+def _rejected() -> Counter:
+    return Counter(
+        "rendezvous_ingress_rejected",
+        description="Requests the ingress turned away before they reached a model, by reason: busy (429, max_in_flight "
+        "reached), not_ready (503, no decode replica can answer: app/readiness.py), too_large (413), unauthorized (401).",
+        tag_keys=("reason",),
+    )
 
 
 @functools.cache

@@ -643,6 +643,11 @@ def test_while_no_decode_replica_can_serve_ready_is_503_and_generation_a_quick_5
     refused = client.post(case.endpoint, json=case.body(), timeout=30)
     assert refused.status_code == 503 and int(refused.headers["retry-after"]) > 0, refused.text
     assert refused.json()["error"]["type"] == "server_error" and time.monotonic() - started < 5
+    rejected = lambda: counted_by(client.metrics.url, "ray_rendezvous_ingress_rejected_total", "reason")["not_ready"]  # noqa: E731
+    deadline = time.monotonic() + 60  # Ray exports metrics every few seconds
+    while rejected() < 1:
+        assert time.monotonic() < deadline, "the 503 was not counted as reason=not_ready"
+        time.sleep(2)
     wait_replaced(client.metrics.url, "Decode", gone=set(replicas), count=1)
     deadline = time.monotonic() + 120
     while client.http.get("/ready").status_code != 200:
