@@ -152,7 +152,7 @@ class IngressArgs(_Strict):
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
     api_key_env: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Name of an environment variable holding the API key; "
-        "when set, every route but /health needs `Authorization: Bearer <key>` (401 otherwise). Off by default; the k8s "
+        "when set, every route but /health and /ready needs `Authorization: Bearer <key>` (401 otherwise). Off by default; the k8s "
         "configs set RENDEZVOUS_API_KEY, filled from a Secret."
     )
 
