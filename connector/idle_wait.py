@@ -20,10 +20,13 @@ and every unfinished request waits for remote KV. It wakes on:
   something is not (a WRITE or READ this engine started completes silently). Deadlines
   (``connector.push_deadline``) are checked on each wake, so they fire at most a cap late.
 
-While receives are due, the worker's ``nixl-push-writer`` thread drains NIXL notifications
-every :data:`NOTIF_POLL_S` itself (upstream, only engine steps make it drain them), and a
-step that computed nothing lets the worker's RPC reader wait on its socket instead of
-spinning. Never with data parallel > 1 (ranks step together) or pipeline batch queues:
+While receives are due and the engine is idle, the worker's ``nixl-push-writer`` thread
+drains NIXL notifications every :data:`NOTIF_POLL_S` itself (upstream, only engine steps make
+it drain them; while the engine steps, each step still does), and a step that computed
+nothing lets the worker's RPC reader wait on its socket instead of spinning. Not while it
+steps: the writer's polls take the GIL from the forward pass in the same process (decode's
+time per token). So that the worker knows the engine went idle before it sleeps, the first
+idle step after a busy one never sleeps. Never with data parallel > 1 (ranks step together) or pipeline batch queues:
 there the engine steps as upstream does.
 """
 
@@ -157,6 +160,7 @@ class WorkerWake:
         self._spin = None  # the SpinCondition of the multiprocessing executor's RPC queue
         self._spin_busy_s = None
         self._looked = False
+        self.idle_now = False  # the last step the worker ran computed nothing
 
     def wake(self) -> None:
         try:
@@ -166,10 +170,12 @@ class WorkerWake:
 
     def idle(self, idle: bool) -> None:
         """After a step that computed nothing, the RPC reader waits on its socket at once
-        rather than spin for vLLM's second. Only the worker's reader, on idle steps: the
-        engine core's reader of step results was tried the same way and stalled steps by
-        vLLM's 5 s lost-notification recheck (``SHM_READER_RECHECK_INTERVAL_MS``) on every
-        request; this one showed none in 60 mixed requests and the suite."""
+        rather than spin for vLLM's second, and the writer thread polls for notifications
+        (only then). Only the worker's reader, on idle steps: the engine core's reader of
+        step results was tried the same way and stalled steps by vLLM's 5 s lost-notification
+        recheck (``SHM_READER_RECHECK_INTERVAL_MS``) on every request; this one showed none
+        in 60 mixed requests and the suite."""
+        self.idle_now = idle
         if not self._looked:
             self._looked = True
             worker_proc = stack_self(lambda obj: hasattr(obj, "rpc_broadcast_mq"))
@@ -213,6 +219,7 @@ class IdleScheduler(ReuseScheduler):
 
     _wake: EngineWake | None = None
     _scheduler: Any = None
+    _last_idle = False  # the last step sent to the worker computed nothing
 
     def init_idle(self, vllm_config) -> None:
         from vllm.v1.core.sched.interface import SchedulerInterface
@@ -224,7 +231,9 @@ class IdleScheduler(ReuseScheduler):
         meta = super().build_connector_meta(scheduler_output)
         idle = scheduler_output.total_num_scheduled_tokens == 0
         setattr(meta, IDLE_ATTR, idle)
-        if idle and self._wake is not None and self._wake.armed and not ships_work(meta, scheduler_output):
+        # After a busy step, this idle one goes to the worker first: it starts polling then.
+        was_idle, self._last_idle = self._last_idle, idle
+        if idle and was_idle and self._wake is not None and self._wake.armed and not ships_work(meta, scheduler_output):
             # Decode's registrations that await a push (vLLM clears do_remote_prefill once sent).
             awaited = self._push_registration_deadlines
             requests = [(r.status, rid in awaited) for rid, r in self._scheduler.requests.items()]
@@ -242,7 +251,7 @@ class IdleWorker(ReuseWorker):
     def init_idle(self) -> None:
         dp_rank = self.vllm_config.parallel_config.data_parallel_rank
         self._idle_wake = WorkerWake(self.engine_id, dp_rank)
-        self._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata))
+        self._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata) and self._idle_wake.idle_now)
         self._pending_completion_notifs = _WakingQueue(self._idle_wake.wake, lambda: self._push_writer_thread)
 
     def start_load_kv(self, metadata):

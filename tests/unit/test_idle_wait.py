@@ -147,3 +147,43 @@ def test_stack_self_finds_the_nearest_matching_caller():
     outer = Outer()
     assert outer.call(lambda: stack_self(lambda obj: isinstance(obj, Outer))) is outer
     assert stack_self(lambda obj: isinstance(obj, WorkerWake)) is None
+
+
+def test_the_writer_polls_only_while_the_engine_is_idle():
+    """While the engine steps, each step wakes the writer (upstream); polling then would take
+    the GIL from the forward pass. The worker learns of idleness from each step's metadata."""
+    worker = WorkerWake(f"idle-{uuid.uuid4().hex}", 0)
+    assert worker.idle_now is False
+    worker.idle(True)
+    assert worker.idle_now is True
+    worker.idle(False)
+    assert worker.idle_now is False
+
+
+def test_the_first_idle_step_after_a_busy_one_reaches_the_worker_before_the_engine_sleeps(monkeypatch):
+    """IdleScheduler: an idle step right after a busy one never waits (the worker must see
+    it to start polling); the next idle step may. vLLM's own metadata building below ours
+    is replaced by an empty metadata (this test is about what ours adds)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from connector.idle_wait import IDLE_ATTR, IdleScheduler
+
+    below = next(c for c in IdleScheduler.__mro__[1:] if "build_connector_meta" in c.__dict__)
+    monkeypatch.setattr(below, "build_connector_meta", lambda self, output: NixlConnectorMetadata())
+    waits = []
+    scheduler = IdleScheduler.__new__(IdleScheduler)  # vLLM builds it; only what build_connector_meta reads
+    scheduler._wake = SimpleNamespace(armed=True, wait=waits.append)
+    scheduler._scheduler = SimpleNamespace(requests={"d1": SimpleNamespace(status=R)})
+    scheduler._push_registration_deadlines = {"d1": 1.0}
+    scheduler._finished_request_blocks = {}
+
+    def step(tokens):
+        output = SchedulerOutput.make_empty()
+        output.total_num_scheduled_tokens = tokens
+        return getattr(scheduler.build_connector_meta(output), IDLE_ATTR)
+
+    assert step(5) is False and waits == []
+    assert step(0) is True and waits == []  # first idle step: straight to the worker
+    assert step(0) is True and waits == [WAIT_CAP_S]  # then the engine sleeps
+    assert step(3) is False and step(0) is True and waits == [WAIT_CAP_S]
