@@ -7,7 +7,8 @@ process dies. So the app can answer when at least one decode replica runs and, f
 remote prefill, a prefill replica runs too. A prefill deployment that *was* up and is now
 down does not make the app unready: decode replicas prefill locally then (the fallback
 ladder), slower but correct. One that has never been up (start-up) does: the first
-requests would wait for the prefill timeout.
+requests would wait for the prefill timeout. "Has been up" is each ingress replica's own
+memory: one that starts while prefill is down reports not ready until prefill is back.
 
 ``/health`` stays liveness (the ingress answers); ``/ready`` is readiness: 200 or 503 with
 the same JSON body, e.g. ``{"ready": false, "mode": "push", "decode": "0/1 replicas

@@ -26,8 +26,8 @@ it drain them; while the engine steps, each step still does), and a step that co
 nothing lets the worker's RPC reader wait on its socket instead of spinning. Not while it
 steps: the writer's polls take the GIL from the forward pass in the same process (decode's
 time per token). So that the worker knows the engine went idle before it sleeps, the first
-idle step after a busy one never sleeps. Never with data parallel > 1 (ranks step together) or pipeline batch queues:
-there the engine steps as upstream does.
+idle step after a busy one never sleeps. Never with data parallel > 1 (ranks step together)
+or pipeline batch queues: there the engine steps as upstream does.
 """
 
 from __future__ import annotations
