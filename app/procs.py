@@ -253,14 +253,28 @@ def busy_ports(ports=LOCAL_PORTS) -> list[int]:
     return busy
 
 
-def _http_status(url: str, *, body: dict | None = None, timeout: float) -> int:
+def _http(url: str, *, body: dict | None = None, timeout: float) -> tuple[int, bytes]:
+    """Status and body of a GET (or, with ``body``, a JSON POST); HTTP errors are answers too."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status
+            return response.status, response.read()
     except urllib.error.HTTPError as e:
-        return e.code
+        return e.code, e.read()
+
+
+def _http_status(url: str, *, body: dict | None = None, timeout: float) -> int:
+    return _http(url, body=body, timeout=timeout)[0]
+
+
+def base_url_of(config: dict) -> str:
+    """Where a serve config's HTTP proxy answers on this host (Serve's defaults where it says nothing)."""
+    http = config.get("http_options") or {}
+    host = http.get("host", "127.0.0.1")
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://{host}:{http.get('port', 8000)}"
 
 
 def read_readiness(url: str) -> tuple[int, dict] | None:
@@ -268,15 +282,9 @@ def read_readiness(url: str) -> tuple[int, dict] | None:
     None while it is not ours that answers (Serve's proxy before the ingress is up, an app
     without ``/ready``, nothing listening)."""
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            status, raw = response.status, response.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    except (OSError, http.client.HTTPException):
-        return None
-    try:
+        status, raw = _http(url, timeout=5)
         body = json.loads(raw)
-    except ValueError:
+    except (OSError, http.client.HTTPException, ValueError):
         return None
     return (status, body) if status in (200, 503) and isinstance(body, dict) and "ready" in body else None
 

@@ -156,9 +156,8 @@ class ReadinessProbe:
             if self._last is None:
                 self._last = Readiness(False, self._mode, "unknown", "unknown")
             return
-        decode, prefill = replicas_by_role(states)
-        self._prefill_was_up = self._prefill_was_up or (prefill is not None and prefill.running > 0)
-        readiness = decide(self._mode, decode, prefill, self._prefill_was_up)
+        readiness = decide(self._mode, *replicas_by_role(states), self._prefill_was_up)
+        self._prefill_was_up = self._prefill_was_up or readiness.prefill_replicas > 0
         if self._last is None or readiness.ready != self._last.ready:
             logger.info("ready: %s (%s)", readiness.ready, readiness.reason)
         self._last, self._read_at = readiness, self._clock()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from app.procs import MARKER, kill_run, new_run_env, read_readiness
+from app.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
 
 _STOP_GRACE_S = 90
 
@@ -58,12 +58,11 @@ def main(argv: list[str]) -> int:
 
 
 def _base_url(config: str) -> str:
-    """Where the config's Serve proxy listens (Serve's defaults where it says nothing)."""
+    """Where the config's Serve proxy answers (Serve's defaults if it cannot be read)."""
     try:
-        http = (yaml.safe_load(Path(config).read_text()) or {}).get("http_options") or {}
+        return base_url_of(yaml.safe_load(Path(config).read_text()) or {})
     except (OSError, yaml.YAMLError):
-        http = {}
-    return f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}"
+        return base_url_of({})
 
 
 def _say_when_ready(config: str, child: subprocess.Popen, period_s: float = 3.0) -> None:

@@ -202,7 +202,8 @@ def run_multiturn(
     from transformers import AutoTokenizer
 
     from app.model_source import resolve_model_source
-    from bench.profiles import app_args_of, base_url_of, load_config
+    from bench.profiles import app_args_of, load_config
+    from app.procs import base_url_of
     from bench.sweep import log, running_app
 
     config = load_config(config_path)

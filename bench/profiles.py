@@ -210,14 +210,6 @@ def app_args_of(config: dict[str, Any]) -> AppArgs:
     return AppArgs.parse(config["applications"][0].get("args"))
 
 
-def base_url_of(config: dict[str, Any]) -> str:
-    http = config.get("http_options") or {}
-    host = http.get("host", "127.0.0.1")
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    return f"http://{host}:{http.get('port', 8000)}"
-
-
 def check_profile(profile: Profile, modes: list[Mode], output_len: int | None = None) -> dict[Mode, dict[str, Any]]:
     """Load and check each mode's config before anything starts; raise ProfileError saying what is wrong."""
     output_len = output_len or profile.output_len

@@ -131,7 +131,8 @@ def _config_with(config_path: str, placement: str, out_dir: Path) -> str:
 
 
 def run_skew(config_path: str, out_dir: Path, load: SkewLoad, placements=PLACEMENTS) -> list[Placement]:
-    from bench.profiles import app_args_of, base_url_of, load_config
+    from bench.profiles import app_args_of, load_config
+    from app.procs import base_url_of
 
     config = load_config(config_path)
     model, url = app_args_of(config).model.id, base_url_of(config)

@@ -164,7 +164,8 @@ def run_soak(
     request_timeout_s: float = 120,
     seed: int = 0,
 ) -> SoakReport:
-    from bench.profiles import app_args_of, base_url_of, load_config
+    from bench.profiles import app_args_of, load_config
+    from app.procs import base_url_of
 
     config = load_config(config_path)
     model, url = app_args_of(config).model.id, base_url_of(config)

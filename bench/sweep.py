@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from app.model_source import resolve_model_source
-from app.procs import AppProcess, busy_ports, kill_run
+from app.procs import AppProcess, base_url_of, busy_ports, kill_run
 from bench import client
 from bench.engine_metrics import RoleMetrics, Snapshot, histogram_estimate, total_delta
 from bench.plots import plot_results
-from bench.profiles import Mode, Profile, ProfileError, app_args_of, base_url_of, check_profile
+from bench.profiles import Mode, Profile, ProfileError, app_args_of, check_profile
 from bench.results import Transfers, make_row, merge_rows, read_results, write_results
 
 TRANSFER_COUNT = "nixl_xfer_time_seconds_count"

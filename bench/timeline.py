@@ -115,7 +115,8 @@ def _config_with_local_shorts(config_path: str, load: TimelineLoad, out_dir: Pat
 
 
 def run_timeline(out_dir: Path, load: TimelineLoad, modes: dict[str, str] = MODES) -> list[Sample]:
-    from bench.profiles import app_args_of, base_url_of, load_config
+    from bench.profiles import app_args_of, load_config
+    from app.procs import base_url_of
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)

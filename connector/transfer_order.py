@@ -32,8 +32,8 @@ def forward_blocks() -> bool:
 def starts_transfers(meta: Any) -> bool:
     """True if this step's connector metadata starts a transfer or a registration."""
     return bool(
-        getattr(meta, "push_finished_blocks", None)  # prefill, push: WRITEs
-        or getattr(meta, "push_registrations", None)  # decode, push: registrations to send
+        meta.push_finished_blocks  # prefill, push: WRITEs
+        or meta.push_registrations  # decode, push: registrations to send
         or meta.reqs_to_recv  # decode, pull: READs; prefill, push: history READs
     )
 

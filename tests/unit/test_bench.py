@@ -17,6 +17,7 @@ import yaml
 import bench.sweep as sweep
 from app.aggregated import aggregated_llm_config, parse_args
 from app.llm_configs import CPU_DEFAULT_ENV
+from app.procs import base_url_of
 from bench.__main__ import parser
 from bench.engine_metrics import histogram_estimate, total_delta
 from bench.multiturn import (
@@ -29,7 +30,7 @@ from bench.multiturn import (
     write_report,
 )
 from bench.plots import plot_results
-from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, base_url_of, check_profile, load_config
+from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
 from bench.results import COLUMNS, TRANSFER_COLUMNS, Transfers, make_row, merge_rows, read_results, write_results
 from tests.unit.test_layering import HEAVY, imports_of
 
