@@ -27,6 +27,9 @@ carries out what ``app.planner`` decides; it adds:
 * the load it carries (requests and tokens in flight, KV capacity) and the conversations
   it retains, published for the router through Serve's ``record_routing_stats`` hook,
   and counted in metrics.
+
+Both servers run one short generation on their engine before they take traffic
+(``app.warmup``): a fresh engine's first forward passes are seconds slower on CPU.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from app.prompts import load_tokenizer, prompt_token_ids
 from app.routing import PublishedLoad
 from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
 from app.turns import TurnBook
+from app.warmup import warm_up
 from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.ray_backend import register_backends
 from connector.stages import DecodeKvStamps, listen_for_decode_stamps
@@ -77,6 +81,7 @@ class PrefillServer(PDPrefillServer):
         self._tokenizer = load_tokenizer(llm_config)
         self._ongoing = 0
         self._tokens_in_flight = 0
+        await warm_up(self, llm_config.model_id, "prefill")
 
     async def chat(self, request, raw_request_info=None):
         return self._counted(request, await super().chat(request, raw_request_info))
@@ -136,6 +141,7 @@ class DecodeServer(PDDecodeServer):
             metrics=DecodeMetrics(mode),
         )
         self._stamps_socket = listen_for_decode_stamps(self._engine_stamped)
+        await warm_up(self, llm_config.model_id, "decode")
 
     def _setup(self, settings: PlanSettings, *, replica_id: str, tokenizer, prefill_timeout_s: float, conversations,
                metrics) -> None:

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import openai
 import pytest
 
 from app.model_source import resolve_model_source
-from app.procs import BASE_URL, cpu_seconds, engine_processes
+from app.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
 from app.timeline import LOG_MARKER, RequestTimeline
 from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
@@ -177,7 +178,7 @@ def test_health_route(client):
 
 def test_ready_said_503_while_the_engines_started_and_200_before_the_first_request(client):
     """Readiness (app.readiness): the start-up (conftest's wait_ready polls /ready) saw 503,
-    then 200, and nothing else; `make serve` said so in one line."""
+    then 200, and nothing else; `make serve` said so in one line, after both engines warmed up."""
     assert client.app.readiness_seen == [503, 200], client.app.readiness_seen
     r = client.http.get("/ready")
     assert r.status_code == 200 and r.json() == {
@@ -185,8 +186,29 @@ def test_ready_said_503_while_the_engines_started_and_200_before_the_first_reque
         "decode_replicas": 1, "prefill_replicas": 1,
     }
     log = client.app.log_path.read_text(errors="replace")
-    assert "[rendezvous] ready: http://127.0.0.1:8000/v1 — push, 1 prefill + 1 decode" in log, log[-3000:]
+    ready = log.find("[rendezvous] ready: http://127.0.0.1:8000/v1 — push, 1 prefill + 1 decode")
+    assert ready >= 0, log[-3000:]
     assert "[rendezvous] starting: decode " in log
+    # Each engine ran its warm-up generation (app.warmup) before its replica was ready.
+    for role in ("prefill", "decode"):
+        assert 0 <= log.find(f"{role} engine warmed up in ") < ready, role
+
+
+def test_a_second_start_on_the_same_host_refuses_at_once_naming_who_holds_its_ports(client):
+    """app.preflight: a second `make serve` (pull) beside this app says which ports are taken
+    and by whom, starts nothing and exits, and this app keeps serving."""
+    env = new_run_env()
+    env.pop("RAY_ADDRESS", None)
+    second = subprocess.run([sys.executable, "-m", "app.run", "configs/local-cpu-pull.yaml"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert second.returncode == 2, second.stderr[-3000:]
+    said = second.stderr
+    assert said.startswith("[rendezvous] cannot start configs/local-cpu-pull.yaml: ports it needs are taken"), said
+    for port, what in ((8000, "HTTP"), (20000, "prefill NIXL side channel"), (22000, "decode NIXL side channel")):
+        assert re.search(rf"port {port}, {what}[^\n]*: held by pid \d+ \(", said), said
+    assert said.count("held by pid ") == 3 and "make clean-procs" in said, said
+    assert find_processes(env[MARKER]) == []
+    assert client.http.get("/ready").status_code == 200
 
 
 @pytest.mark.slow
