@@ -1,9 +1,11 @@
 """``make serve``: run ``serve run CONFIG`` in the foreground, say when the app can answer
 (and how far it got until then), and, however it ends (Ctrl-C, SIGTERM, crash), end every
-process it started before returning."""
+process it started before returning. If a port the config needs is taken on this host
+(another app running), refuse at once, naming the holder (``app.preflight``)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from app.preflight import busy_ports, refusal
 from app.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
 
 _STOP_GRACE_S = 90
@@ -20,6 +23,12 @@ _STOP_GRACE_S = 90
 
 def main(argv: list[str]) -> int:
     config = argv[0] if argv else "configs/local-cpu.yaml"
+    # With RAY_ADDRESS, serve run deploys onto a running cluster whose proxy holds the HTTP
+    # port already, and whose engines bind on its hosts: nothing here to check.
+    busy = [] if os.environ.get("RAY_ADDRESS") else busy_ports(_read(config))
+    if busy:
+        print(refusal(config, busy), file=sys.stderr, flush=True)
+        return 2
     env = new_run_env(keep_existing=True)
     run_id = env[MARKER]
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
@@ -57,18 +66,18 @@ def main(argv: list[str]) -> int:
     return code
 
 
-def _base_url(config: str) -> str:
-    """Where the config's Serve proxy answers (Serve's defaults if it cannot be read)."""
+def _read(config: str) -> dict:
+    """The config file's contents; empty if it cannot be read (serve run then says why)."""
     try:
-        return base_url_of(yaml.safe_load(Path(config).read_text()) or {})
+        return yaml.safe_load(Path(config).read_text()) or {}
     except (OSError, yaml.YAMLError):
-        return base_url_of({})
+        return {}
 
 
 def _say_when_ready(config: str, child: subprocess.Popen, period_s: float = 3.0) -> None:
     """One line per change of the app's readiness while it starts, then one line once it
     can answer (``app.readiness``): what to wait for, instead of reading Ray's logs."""
-    base = _base_url(config)
+    base = base_url_of(_read(config))
     last = None
     while child.poll() is None:
         body = (read_readiness(f"{base}/ready") or (None, None))[1]

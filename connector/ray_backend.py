@@ -42,9 +42,13 @@ from connector.params import (
     push_decode_params,
     push_prefill_params,
 )
+from connector.port_check import wait_until_free
 from connector.ports import make_engine_id
 
 logger = logging.getLogger("ray.serve.rendezvous.connector")
+
+# How long a replica waits for its side-channel port before it fails (connector.port_check).
+_PORT_WAIT_S = 30.0
 
 
 def _endpoint(request: Any) -> str:
@@ -86,6 +90,11 @@ class _RendezvousNixlBackend(BaseConnectorBackend):
         rank = serve.get_replica_context().rank.rank
         host = ray.util.get_node_ip_address()
         port = settings.ports.port(role, rank, dp_size)
+        # vLLM's listener thread would die on a taken port and leave the replica starting
+        # for good; fail the replica now instead, naming the holder. An engine of the
+        # replica this one replaces may still hold it for a few seconds.
+        for dp_port in range(port, port + dp_size):
+            wait_until_free(dp_port, host, what=f"{role.value} NIXL side-channel", timeout_s=_PORT_WAIT_S)
         env = engine_env(side_channel_host=host, side_channel_port=port, user_env=settings.env)
         # The one place that writes the engine environment: the engine processes that
         # vLLM spawns next inherit it.
