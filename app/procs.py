@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ import uuid
 from pathlib import Path
 
 import psutil
+
+from connector.port_check import is_free
 
 MARKER = "RENDEZVOUS_RUN_ID"
 REPO = Path(__file__).resolve().parents[1]
@@ -242,15 +243,8 @@ def _default_sigint() -> None:
 
 
 def busy_ports(ports=LOCAL_PORTS) -> list[int]:
-    busy = []
-    for port in ports:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                busy.append(port)
-    return busy
+    """Which of ``ports`` a listener could not bind now (leftovers of a run, before or after it)."""
+    return [port for port in ports if not is_free(port)]
 
 
 def _http(url: str, *, body: dict | None = None, timeout: float) -> tuple[int, bytes]:
