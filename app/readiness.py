@@ -12,8 +12,10 @@ memory: one that starts while prefill is down reports not ready until prefill is
 
 ``/health`` stays liveness (the ingress answers); ``/ready`` is readiness: 200 or 503 with
 the same JSON body, e.g. ``{"ready": false, "mode": "push", "decode": "0/1 replicas
-ready", "prefill": "starting", ...}``. While not ready, generation requests get a quick 503
-with ``Retry-After`` instead of a wait in a queue.
+ready", "prefill": "starting", ...}``, plus ``"failure"`` while a role's replicas fail to
+start (Serve's own message, e.g. a taken side-channel port: ``connector.port_check``), which
+``make serve`` prints. While not ready, generation requests get a quick 503 with
+``Retry-After`` instead of a wait in a queue.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ logger = logging.getLogger("ray.serve.rendezvous.readiness")
 DECODE_PREFIX = "Decode:"
 PREFILL_PREFIX = "Prefill:"
 RUNNING = "RUNNING"  # Serve's ReplicaState value of a replica that serves
+GAVE_UP = "DEPLOY_FAILED"  # Serve's DeploymentStatus once replicas failed to start too often
+# In a start failure's text once Serve stopped retrying (make serve then stops the app).
+GAVE_UP_TEXT = "failed to start; Serve gave up"
+# How Serve's deployment message starts while it retries a replica that failed to start.
+_RETRYING = "A replica failed to start"
 # How long a read of Serve's state is reused; generation requests never wait for a read
 # once there is one (they get the last answer while the next is read).
 REFRESH_S = 1.0
@@ -45,6 +52,15 @@ class Replicas:
 
 
 @dataclass(frozen=True)
+class Deployment:
+    """What Serve says of one deployment: replica state -> count, its status and message."""
+
+    replica_states: dict[str, int]
+    status: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
 class Readiness:
     ready: bool
     mode: str
@@ -52,19 +68,22 @@ class Readiness:
     prefill: str
     decode_replicas: int = 0  # running
     prefill_replicas: int = 0
+    failure: str | None = None  # why a role's replicas fail to start (start_failure)
 
     def body(self) -> dict:
-        return {
+        body = {
             "ready": self.ready, "mode": self.mode, "decode": self.decode, "prefill": self.prefill,
             "decode_replicas": self.decode_replicas, "prefill_replicas": self.prefill_replicas,
         }
+        return body if self.failure is None else {**body, "failure": self.failure}
 
     @property
     def reason(self) -> str:
         return f"decode: {self.decode}; prefill: {self.prefill}"
 
 
-def decide(mode: str, decode: Replicas | None, prefill: Replicas | None, prefill_was_up: bool) -> Readiness:
+def decide(mode: str, decode: Replicas | None, prefill: Replicas | None, prefill_was_up: bool,
+           failure: str | None = None) -> Readiness:
     """Whether the app can answer, and what is missing (pure). ``None``: no such deployment
     in Serve's state (yet, or any more)."""
     decode_up = decode is not None and decode.running > 0
@@ -89,6 +108,7 @@ def decide(mode: str, decode: Replicas | None, prefill: Replicas | None, prefill
         prefill=prefill_text,
         decode_replicas=decode.running if decode is not None else 0,
         prefill_replicas=prefill.running if prefill is not None else 0,
+        failure=failure,
     )
 
 
@@ -107,8 +127,23 @@ def replicas_by_role(replica_states: dict[str, dict[str, int]]) -> tuple[Replica
     return found.get(DECODE_PREFIX), found.get(PREFILL_PREFIX)
 
 
-def _serve_replica_states() -> dict[str, dict[str, int]]:
-    """This application's deployments' replica states, from Serve's controller (blocking)."""
+def start_failure(deployments: dict[str, Deployment]) -> str | None:
+    """Why decode or prefill replicas fail to start, from Serve's deployment message (pure):
+    its last line, the exception (``connector.port_check.PortBusy: decode NIXL side-channel
+    port … is held by pid …``), with whether Serve still retries or gave up."""
+    for name, deployment in deployments.items():
+        role = "decode" if name.startswith(DECODE_PREFIX) else "prefill" if name.startswith(PREFILL_PREFIX) else None
+        gave_up = deployment.status == GAVE_UP
+        if role is None or not (gave_up or deployment.message.startswith(_RETRYING)):
+            continue
+        lines = [line.strip() for line in deployment.message.splitlines() if line.strip()]
+        return f"{role} replicas {GAVE_UP_TEXT if gave_up else 'fail to start; Serve retries'}: " + (
+            lines[-1] if lines else "no reason given")
+    return None
+
+
+def _serve_deployments() -> dict[str, Deployment]:
+    """This application's deployments as Serve's controller sees them (blocking)."""
     from ray import serve
 
     app_name = serve.get_replica_context().app_name
@@ -116,17 +151,21 @@ def _serve_replica_states() -> dict[str, dict[str, int]]:
     if application is None:
         return {}
     return {
-        name: {str(getattr(state, "value", state)): count for state, count in deployment.replica_states.items()}
+        name: Deployment(
+            {str(getattr(state, "value", state)): count for state, count in deployment.replica_states.items()},
+            str(getattr(deployment.status, "value", deployment.status)),
+            deployment.message or "",
+        )
         for name, deployment in application.deployments.items()
     }
 
 
 class ReadinessProbe:
-    """One per ingress replica: Serve's replica states, read at most every :data:`REFRESH_S`."""
+    """One per ingress replica: Serve's deployments, read at most every :data:`REFRESH_S`."""
 
-    def __init__(self, mode: str, read_states=_serve_replica_states, clock=time.monotonic):
+    def __init__(self, mode: str, read_deployments=_serve_deployments, clock=time.monotonic):
         self._mode = mode
-        self._read_states = read_states
+        self._read_deployments = read_deployments
         self._clock = clock
         self._prefill_was_up = False
         self._last: Readiness | None = None
@@ -150,14 +189,17 @@ class ReadinessProbe:
 
     async def _read(self) -> None:
         try:
-            states = await asyncio.to_thread(self._read_states)
+            deployments = await asyncio.to_thread(self._read_deployments)
         except Exception as exc:  # noqa: BLE001 - the controller is briefly unreachable: keep the last answer
             logger.warning("could not read Serve's replica states (%r); readiness unchanged", exc)
             if self._last is None:
                 self._last = Readiness(False, self._mode, "unknown", "unknown")
             return
-        readiness = decide(self._mode, *replicas_by_role(states), self._prefill_was_up)
+        states = {name: deployment.replica_states for name, deployment in deployments.items()}
+        readiness = decide(self._mode, *replicas_by_role(states), self._prefill_was_up, start_failure(deployments))
         self._prefill_was_up = self._prefill_was_up or readiness.prefill_replicas > 0
         if self._last is None or readiness.ready != self._last.ready:
             logger.info("ready: %s (%s)", readiness.ready, readiness.reason)
+        if readiness.failure and (self._last is None or readiness.failure != self._last.failure):
+            logger.warning("%s", readiness.failure)
         self._last, self._read_at = readiness, self._clock()

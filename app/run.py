@@ -17,6 +17,7 @@ import yaml
 
 from app.preflight import busy_ports, refusal
 from app.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
+from app.readiness import GAVE_UP_TEXT
 
 _STOP_GRACE_S = 90
 
@@ -53,9 +54,10 @@ def main(argv: list[str]) -> int:
         env=env,
         start_new_session=True,
     )
-    threading.Thread(target=_say_when_ready, args=(config, child), daemon=True).start()
+    gave_up: list[str] = []
+    threading.Thread(target=_say_when_ready, args=(config, child, gave_up), daemon=True).start()
     try:
-        code = _wait_for(child, stop_requested_at)
+        code = _wait_for(child, stop_requested_at, gave_up)
     finally:
         left = kill_run(run_id)
         print(
@@ -63,7 +65,7 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
             flush=True,
         )
-    return code
+    return 1 if gave_up else code
 
 
 def _read(config: str) -> dict:
@@ -74,11 +76,17 @@ def _read(config: str) -> dict:
         return {}
 
 
-def _say_when_ready(config: str, child: subprocess.Popen, period_s: float = 3.0) -> None:
+def _base_url(config: str) -> str:
+    return base_url_of(_read(config))
+
+
+def _say_when_ready(config: str, child: subprocess.Popen, gave_up: list[str], period_s: float = 3.0) -> None:
     """One line per change of the app's readiness while it starts, then one line once it
-    can answer (``app.readiness``): what to wait for, instead of reading Ray's logs."""
-    base = base_url_of(_read(config))
-    last = None
+    can answer (``app.readiness``): what to wait for, instead of reading Ray's logs. Why
+    replicas fail to start, as soon as Serve says; once Serve gives up on them, the app
+    cannot start: say so, note it in ``gave_up`` and stop ``child``."""
+    base = _base_url(config)
+    last = failure = None
     while child.poll() is None:
         body = (read_readiness(f"{base}/ready") or (None, None))[1]
         if body is not None and body.get("ready"):
@@ -91,17 +99,27 @@ def _say_when_ready(config: str, child: subprocess.Popen, period_s: float = 3.0)
         if body is not None and (body.get("decode"), body.get("prefill")) != last:
             last = (body.get("decode"), body.get("prefill"))
             print(f"[rendezvous] starting: decode {last[0]}; prefill {last[1]}", file=sys.stderr, flush=True)
+        if body is not None and body.get("failure") and body["failure"] != failure:
+            failure = body["failure"]
+            print(f"[rendezvous] {failure}", file=sys.stderr, flush=True)
+            if GAVE_UP_TEXT in failure:
+                print("[rendezvous] the app cannot start; stopping", file=sys.stderr, flush=True)
+                gave_up.append(failure)
+                child.send_signal(signal.SIGINT)
+                return
         time.sleep(period_s)
 
 
-def _wait_for(child: subprocess.Popen, stop_requested_at: list[float]) -> int:
-    """The child's exit code; once a stop was asked for, at most ``_STOP_GRACE_S`` more
-    (serve run shuts Serve and Ray down on SIGINT; a second SIGINT would abort that), then
-    the caller's sweep ends whatever is left."""
+def _wait_for(child: subprocess.Popen, stop_requested_at: list[float], gave_up: list[str]) -> int:
+    """The child's exit code; once a stop was asked for (or the start failed), at most
+    ``_STOP_GRACE_S`` more (serve run shuts Serve and Ray down on SIGINT; a second SIGINT
+    would abort that), then the caller's sweep ends whatever is left."""
     while True:
         try:
             return child.wait(timeout=1)
         except subprocess.TimeoutExpired:
+            if gave_up and not stop_requested_at:
+                stop_requested_at.append(time.monotonic())
             if stop_requested_at and time.monotonic() - stop_requested_at[0] > _STOP_GRACE_S:
                 return -signal.SIGINT
 

@@ -10,7 +10,16 @@ import pytest
 
 from app.args import IngressArgs
 from app.ingress import make_app
-from app.readiness import REFRESH_S, RETRY_AFTER_S, ReadinessProbe, Replicas, decide, replicas_by_role
+from app.readiness import (
+    REFRESH_S,
+    RETRY_AFTER_S,
+    Deployment,
+    ReadinessProbe,
+    Replicas,
+    decide,
+    replicas_by_role,
+    start_failure,
+)
 
 UP, DOWN, TWO = Replicas(1, 1), Replicas(0, 1), Replicas(1, 2)
 
@@ -45,6 +54,34 @@ def test_replicas_are_counted_by_role_from_serves_states():
     assert replicas_by_role({"OpenAiIngress": {"RUNNING": 1}}) == (None, None)
 
 
+_PORT_BUSY = ("A replica failed to start with exception. Retrying 2 more time(s). Error:\nTraceback (most recent call last):\n"
+              "  File \"connector/port_check.py\", line 60, in wait_until_free\n"
+              "connector.port_check.PortBusy: decode NIXL side-channel port 10.0.0.5:22000 is held by pid 77 (VLLM::EngineCore)\n")
+
+
+@pytest.mark.parametrize("deployments, expected", [
+    ({"Decode:m": Deployment({"STARTING": 1}, "UPDATING", _PORT_BUSY), "Prefill:m": Deployment({"RUNNING": 1}, "HEALTHY")},
+     "decode replicas fail to start; Serve retries: connector.port_check.PortBusy: decode NIXL side-channel port "
+     "10.0.0.5:22000 is held by pid 77 (VLLM::EngineCore)"),
+    ({"Prefill:m": Deployment({}, "DEPLOY_FAILED", "The deployment failed to start 3 times in a row.\nError:\nRuntimeError: boom")},
+     "prefill replicas failed to start; Serve gave up: RuntimeError: boom"),
+    ({"Prefill:m": Deployment({}, "DEPLOY_FAILED", "")}, "prefill replicas failed to start; Serve gave up: no reason given"),
+    # Starting slowly, healthy, or a deployment that is not an engine's: nothing to say.
+    ({"Decode:m": Deployment({"STARTING": 1}, "UPDATING", "Deployment 'Decode:m' has 1 replicas that have taken more "
+                             "than 30s to initialize.")}, None),
+    ({"Decode:m": Deployment({"RUNNING": 1}, "HEALTHY")}, None),
+    ({"OpenAiIngress": Deployment({}, "DEPLOY_FAILED", "Error:\nValueError: bad")}, None),
+])
+def test_why_replicas_fail_to_start_is_serves_last_line(deployments, expected):
+    assert start_failure(deployments) == expected
+
+
+def test_a_start_failure_is_in_the_ready_body_only_while_there_is_one():
+    state = decide("push", Replicas(0, 1), Replicas(1, 1), False, failure="decode replicas fail to start; Serve retries: x")
+    assert state.body()["failure"] == "decode replicas fail to start; Serve retries: x" and not state.ready
+    assert "failure" not in decide("push", Replicas(1, 1), Replicas(1, 1), False).body()
+
+
 class _Serve:
     """Serve's replica states as the probe reads them; each read counted."""
 
@@ -57,14 +94,14 @@ class _Serve:
         self.reads += 1
         if self.fail:
             raise ConnectionError("controller unreachable")
-        return dict(self.states)
+        return {name: Deployment(states) for name, states in self.states.items()}
 
 
 def test_the_probe_reads_serve_at_most_every_refresh_period_and_remembers_prefill_was_up():
     async def go():
         now = [0.0]
         serve = _Serve()
-        probe = ReadinessProbe("pull", read_states=serve, clock=lambda: now[0])
+        probe = ReadinessProbe("pull", read_deployments=serve, clock=lambda: now[0])
         assert (await probe.fresh()).prefill == "starting" and serve.reads == 1
         assert not (await probe.fresh()).ready and serve.reads == 1  # within the period: no second read
 
@@ -87,7 +124,7 @@ def test_the_probe_reads_serve_at_most_every_refresh_period_and_remembers_prefil
 
 
 def _ingress(serve: _Serve):
-    app = make_app(IngressArgs(), ReadinessProbe("push", read_states=serve))
+    app = make_app(IngressArgs(), ReadinessProbe("push", read_deployments=serve))
 
     @app.post("/v1/completions")
     async def completions(body: dict):
@@ -130,7 +167,7 @@ def test_ready_needs_no_api_key(monkeypatch):
     monkeypatch.setenv("RDV_TEST_KEY", "secret")
     serve = _Serve()
     serve.states = {"Decode:m": {"RUNNING": 1}, "Prefill:m": {"RUNNING": 1}}
-    app = make_app(IngressArgs(api_key_env="RDV_TEST_KEY"), ReadinessProbe("push", read_states=serve))
+    app = make_app(IngressArgs(api_key_env="RDV_TEST_KEY"), ReadinessProbe("push", read_deployments=serve))
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://ingress") as client:
