@@ -9,6 +9,7 @@ backend checks its own side channel before starting its engine (``connector.ray_
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import time
 
@@ -16,14 +17,15 @@ import psutil
 
 
 def is_free(port: int, host: str = "0.0.0.0") -> bool:
-    """Whether a listener could bind ``host:port`` now (as vLLM's and Serve's do, with
-    SO_REUSEADDR: a port left in TIME_WAIT counts as free)."""
+    """Whether ``host:port`` is not taken now: a listener could bind it (as vLLM's and
+    Serve's do, with SO_REUSEADDR: a port left in TIME_WAIT counts as free). Any other bind
+    error (an address not on this host) is not ours to judge: the real bind will say."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
-        except OSError:
-            return False
+        except OSError as e:
+            return e.errno != errno.EADDRINUSE
     return True
 
 

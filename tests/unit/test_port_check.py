@@ -31,6 +31,10 @@ def test_a_listening_port_is_taken_and_its_holder_is_named():
     assert is_free(port)
 
 
+def test_an_address_that_is_not_on_this_host_is_not_judged_taken():
+    assert is_free(22000, "203.0.113.7")  # TEST-NET-3: the engine's own bind reports it
+
+
 def test_waiting_for_a_port_returns_once_it_is_freed_and_fails_naming_the_holder_otherwise():
     s = _listener()
     port = s.getsockname()[1]
