@@ -25,14 +25,14 @@ def _promtool() -> str:
     return found
 
 
-def _alerts() -> list[dict]:
+def alert_rules() -> list[dict]:
     return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
 
 
 def test_the_rules_are_valid_prometheus_rules():
     done = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"SUCCESS: {len(_alerts())} rules found" in done.stdout
+    assert f"SUCCESS: {len(alert_rules())} rules found" in done.stdout
 
 
 def test_each_alert_fires_on_its_series_after_its_for_and_not_on_healthy_ones():
@@ -40,7 +40,7 @@ def test_each_alert_fires_on_its_series_after_its_for_and_not_on_healthy_ones():
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     tested = set(re.findall(r"alertname: (\w+)", (REPO / "tests" / "unit" / "alerts_test.yaml").read_text()))
-    assert tested == {alert["alert"] for alert in _alerts()}, "every alert needs a promtool test"
+    assert tested == {alert["alert"] for alert in alert_rules()}, "every alert needs a promtool test"
 
 
 def test_the_operators_prometheusrule_holds_the_same_rules():
@@ -54,7 +54,7 @@ def test_the_operators_prometheusrule_holds_the_same_rules():
 def test_each_alert_has_a_severity_a_summary_and_a_runbook_entry():
     headings = {line[4:].strip().lower() for line in (REPO / "docs" / "runbook.md").read_text().splitlines()
                 if line.startswith("### ")}
-    for alert in _alerts():
+    for alert in alert_rules():
         assert alert["labels"]["severity"] in ("critical", "warning"), alert["alert"]
         assert alert["annotations"]["summary"], alert["alert"]
         assert alert["annotations"]["runbook"] == f"docs/runbook.md#{alert['alert'].lower()}"
@@ -76,7 +76,7 @@ def test_the_rules_use_only_metrics_the_app_and_its_engines_export():
     # by the integration suite's benchmark rows and fault tests).
     upstream = {"ray_vllm_nixl_num_failed_transfers", "ray_vllm_nixl_num_failed_notifications",
                 "ray_serve_deployment_replica_healthy"}
-    for alert in _alerts():
+    for alert in alert_rules():
         for metric in re.findall(r"\b(ray_[a-z_]+)", alert["expr"]):
             base = re.sub(r"_(total|bucket|count|sum)$", "", metric)
             assert base in exported | upstream, f"{alert['alert']}: {metric} is not a metric the app exports"
