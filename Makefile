@@ -18,7 +18,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $(STAMP)
 
-install: $(STAMP)
+# Debian's prometheus package (promtool checks and unit-tests the alert rules), unpacked into
+# .tools/ rather than installed: no service is started, nothing outside the checkout changes.
+PROMTOOL := .tools/prometheus/usr/bin/promtool
+$(PROMTOOL):
+	mkdir -p .tools
+	cd .tools && (apt-get download prometheus || (apt-get update -q && apt-get download prometheus))
+	dpkg -x .tools/prometheus_*.deb .tools/prometheus
+	rm -f .tools/prometheus_*.deb
+	$(PROMTOOL) --version | head -1
+
+install: $(STAMP) $(PROMTOOL)
 
 model: $(STAMP)
 	$(BIN)/python -c "from app.model_source import ensure_embedded_model as e; e()"
@@ -27,10 +37,10 @@ model: $(STAMP)
 serve: model
 	$(BIN)/python -m app.run $(CONFIG)
 
-test: model
+test: model $(PROMTOOL)
 	$(BIN)/python -m pytest tests
 
-unit: $(STAMP)
+unit: $(STAMP) $(PROMTOOL)
 	$(BIN)/python -m pytest tests/unit
 
 clean-procs:

@@ -14,7 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.routing import RoutingPolicy
-from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, WRITE_MARGIN_S, TransferMode
+from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, RECOMPUTE_THRESHOLD_KEY, WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
 
 
@@ -298,8 +298,14 @@ class AppArgs(_Strict):
             )
         if BIDIRECTIONAL_KEY in self.nixl.extra_config:
             problems.append(f"nixl.extra_config.{BIDIRECTIONAL_KEY}: set conversations.pull_history: upstream (pull mode) instead")
-        if self.upstream_pull_history and DECODER_BLOCKS_TTL_KEY in self.nixl.extra_config:
-            problems.append(f"nixl.extra_config.{DECODER_BLOCKS_TTL_KEY}: with pull_history upstream it is conversations.retention_s")
+        if DECODER_BLOCKS_TTL_KEY in self.nixl.extra_config:
+            problems.append(
+                f"nixl.extra_config.{DECODER_BLOCKS_TTL_KEY}: how long decode keeps a conversation is "
+                "conversations.retention_s (written where upstream reads it); for push's registration expiry set "
+                "push_registration_timeout"
+            )
+        if RECOMPUTE_THRESHOLD_KEY in self.nixl.extra_config:
+            problems.append(f"nixl.extra_config.{RECOMPUTE_THRESHOLD_KEY}: set conversations.recompute_threshold (written for you)")
         if self.conversations.enabled and self.decode.engine_kwargs.get("enable_prefix_caching") is False:
             problems.append("decode.engine_kwargs.enable_prefix_caching: conversations need it; set conversations.enabled: false")
         if problems:

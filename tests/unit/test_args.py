@@ -235,7 +235,10 @@ def test_kv_transfer_config_in_engine_kwargs_is_refused(raw, role):
         ({"mode": "pull", "conversations": {"pull_history": "upstream", "enabled": False}}, "needs mode: pull and conversations.enabled"),
         ({"mode": "pull", "nixl": {"extra_config": {"bidirectional_kv_xfer": True}}}, "set conversations.pull_history: upstream"),
         ({"mode": "pull", "conversations": {"pull_history": "upstream"}, "nixl": {"extra_config": {"decoder_kv_blocks_ttl": 9}}},
-         "it is conversations.retention_s"),
+         "is conversations.retention_s"),
+        # Upstream's conversation knobs do nothing in push or are overwritten: ours say it.
+        ({"nixl": {"extra_config": {"decoder_kv_blocks_ttl": 480}}}, "is conversations.retention_s"),
+        ({"nixl": {"extra_config": {"kv_recompute_threshold": 64}}}, "set conversations.recompute_threshold"),
         ({"conversations": {"pull_history": "sometimes"}}, "pull_history"),
     ],
 )

@@ -298,7 +298,8 @@ def test_2p1d_has_heterogeneous_tp_and_independent_autoscaling():
 def test_multiturn_knobs():
     args = _args("gpu-multiturn-push.yaml")
     assert args.mode is TransferMode.PUSH
-    assert args.nixl.extra_config == {"decoder_kv_blocks_ttl": 480, "kv_recompute_threshold": 64}
+    assert args.nixl.extra_config == {}  # upstream's knobs are ours: conversations.*
+    assert (args.conversations.enabled, args.conversations.retention_s, args.conversations.recompute_threshold) == (True, 480, 64)
     assert args.engine_kwargs["enable_prefix_caching"] is True
 
 
