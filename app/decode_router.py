@@ -36,6 +36,7 @@ from ray.serve.metrics import Counter as MetricCounter
 
 from app.conversations import CONVERSATION_HEADER
 from app.routing import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from app.timeline import mark_decode_picked
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
 
@@ -73,6 +74,13 @@ def conversation_of(pending_request) -> str | None:
     args = getattr(pending_request, "args", None) or ()
     headers = getattr(args[1], "headers", None) if len(args) > 1 else None
     return (headers or {}).get(CONVERSATION_HEADER)
+
+
+def _stamp_pick(pending_request) -> None:
+    """The request's timeline: when its decode replica was picked (app.timeline)."""
+    args = getattr(pending_request, "args", None) or ()
+    if args:
+        mark_decode_picked(args[0], time.time())
 
 
 def snapshot_from_stats(
@@ -132,6 +140,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
         ]
         decision = pick(self._policy, RouteRequest(conversation_id=conversation), snapshots)
         count_pick("decode", decision, conversation_holder=decision.replica_id in holders)
+        _stamp_pick(pending_request)
         if conversation:
             self._picked[conversation] = (decision.replica_id, now)
             self._picked.move_to_end(conversation)
@@ -175,5 +184,6 @@ class RoundRobinDecodeRouter(FIFOMixin, RequestRouter):
         first = self._turn % len(ordered)
         self._turn += 1
         _picks().inc(tags={"role": "decode", "reason": "round_robin"})
+        _stamp_pick(pending_request)
         rest = ordered[first + 1:] + ordered[:first]
         return [[ordered[first]]] + ([rest] if rest else [])

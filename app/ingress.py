@@ -243,9 +243,9 @@ def _decode_lost() -> Counter:
 def _stage_seconds() -> Histogram:
     return Histogram(
         "rendezvous_stage_seconds",
-        description="Seconds each stage of a request took, by transfer mode and stage (app/timeline.py): route, bind, "
-        "prefill_hop, prefill_queue, prefill_compute, handoff (KV to decode and its first step), local_prefill, "
-        "deliver (first token to the client), ttft.",
+        description="Seconds each stage of a request took, by transfer mode and stage (app/timeline.py): route "
+        "(decode_pick + decode_hop), bind, prefill_pick, prefill_hop, prefill_queue, prefill_compute, register, handoff "
+        "(KV to decode and its first step: transfer + first_step), local_prefill, deliver (first token to the client), ttft.",
         boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64],
         tag_keys=("mode", "stage"),
     )

@@ -58,6 +58,15 @@ def leg_tokens(request: Any) -> int:
     return len(text) // _CHARS_PER_TOKEN
 
 
+# Request id -> when its prefill replica was picked, until the decode replica (same process) reads it.
+_PICKED_AT: OrderedDict[str, float] = OrderedDict()
+
+
+def prefill_picked_at(request_id: str) -> float | None:
+    """When the prefill router (of this decode replica's process) picked ``request_id``'s prefill replica; once."""
+    return _PICKED_AT.pop(request_id, None)
+
+
 class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
         self._policy = RoutingPolicy.model_validate(policy or {})
@@ -100,6 +109,10 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
             if len(self._in_flight) > _REMEMBERED:  # legs that were chosen but never sent
                 self._forget(next(iter(self._in_flight)))
         count_pick("prefill", decision)
+        if args and getattr(args[0], "request_id", None):
+            _PICKED_AT[args[0].request_id] = time.time()
+            if len(_PICKED_AT) > _REMEMBERED:
+                _PICKED_AT.popitem(last=False)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("prefill pick %s for %d tokens, scores=%s", decision.replica_id, tokens, decision.scores)
         return ranked(decision, by_id)

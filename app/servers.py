@@ -50,10 +50,10 @@ from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.prefill_router import said_prompt_tokens, with_prompt_tokens
+from app.prefill_router import prefill_picked_at, said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
 from app.routing import PublishedLoad
-from app.timeline import FIRST_TOKEN, RECEIVED, RequestTimeline
+from app.timeline import DECODE_PICKED, FIRST_TOKEN, PREFILL_PICKED, RECEIVED, RequestTimeline, decode_picked_of
 from app.turns import TurnBook
 from app.warmup import warm_up
 from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
@@ -225,6 +225,8 @@ class DecodeServer(PDDecodeServer):
         timeline = RequestTimeline(request_id, self._settings.mode.value, decided.route.value, stream)
         timeline.stamps.update(prefilled.stamps if prefilled else {})
         timeline.stamp(RECEIVED, received)
+        if (picked := decode_picked_of(request)) is not None:
+            timeline.stamp(DECODE_PICKED, picked)
         self._timelines[request_id] = timeline
         if prefilled is not None:
             logger.debug("request %s: prefilled via replica %s, decoded here", request_id, prefilled.entry_replica)
@@ -245,6 +247,8 @@ class DecodeServer(PDDecodeServer):
                 if first is None and not isinstance(chunk, Prefilled):
                     first = time.monotonic() - started
                     timeline.stamp(FIRST_TOKEN, time.time())
+                    if (picked := prefill_picked_at(request_id)) is not None:
+                        timeline.stamp(PREFILL_PICKED, picked)
                     timeline.route = served.route.value
                     if not timeline.stream and not isinstance(chunk, ErrorResponse):
                         yield timeline  # the ingress reads it before the response it answers with

@@ -1,8 +1,9 @@
 """Where a request's time to first token went: one timeline per request (pure).
 
 Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival,
-first chunk out), the decode replica (received, legs sent, prefill's answer in, first
-token out of its engine), the prefill engine (the leg queued, started, finished: in
+first chunk out), its decode router (the pick, carried to the decode replica on the
+request: :func:`mark_decode_picked`), the decode replica (received, legs sent, prefill's
+answer in, first token out of its engine; its prefill router's pick), the prefill engine (the leg queued, started, finished: in
 prefill's response) and the decode engine (KV asked for and landed: a datagram to its
 replica); see ``connector.stages``. The decode replica sends its stamps to the
 ingress at the end of a stream (before the response when not streamed) as a
@@ -25,8 +26,10 @@ LOG_MARKER = "rendezvous_timeline "
 
 # Timestamps in the order a disaggregated request passes them.
 ARRIVED = "arrived"  # ingress: the request came in
+DECODE_PICKED = "decode_picked"  # ingress's decode router: a decode replica chosen (the last pick, if it picked again)
 RECEIVED = "decode_received"  # decode replica: the request reached it
 LEGS_SENT = "legs_sent"  # decode replica: prefill leg sent (push: with the decode leg)
+PREFILL_PICKED = "prefill_picked"  # decode replica's prefill router: a prefill replica chosen
 PREFILL_QUEUED = "prefill_queued"  # prefill engine: the leg arrived
 PREFILL_STARTED = "prefill_started"  # prefill engine: the leg was first scheduled
 PREFILL_FINISHED = "prefill_finished"  # prefill engine: its KV computed
@@ -36,11 +39,33 @@ KV_LANDED = "kv_landed"  # decode engine: the KV is all there
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
 FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
 
+# The request field that carries the decode router's pick to the decode replica.
+DECODE_PICKED_FIELD = "rendezvous_decode_picked"
+
+
+def mark_decode_picked(request: Any, at: float) -> None:
+    """The decode router, on the request it is about to send (Serve sends the arguments
+    after the pick): when it picked. A later pick of the same request replaces it."""
+    try:
+        setattr(request, DECODE_PICKED_FIELD, at)
+    except (AttributeError, TypeError, ValueError):  # a request type that takes no extra field: no stamp
+        pass
+
+
+def decode_picked_of(request: Any) -> float | None:
+    at = getattr(request, DECODE_PICKED_FIELD, None)
+    return at if isinstance(at, float) else None
+
+
 # Stage name -> (from, to). A stage is exported when both stamps exist.
 STAGES: dict[str, tuple[str, str]] = {
-    "route": (ARRIVED, RECEIVED),  # decode pick and the hop to the replica
+    "route": (ARRIVED, RECEIVED),  # decode pick and the hop to the replica:
+    "decode_pick": (ARRIVED, DECODE_PICKED),  # ... the ingress reads, admits, and its router picks
+    "decode_hop": (DECODE_PICKED, RECEIVED),  # ... the request travels to the replica
     "bind": (RECEIVED, LEGS_SENT),  # tokenizing, judging the request, binding a prefill replica
     "prefill_hop": (LEGS_SENT, PREFILL_QUEUED),  # to the prefill replica and through its serving layer
+    # Received to the prefill router's pick (push: the peer binding, before the legs go out; pull: as the leg goes).
+    "prefill_pick": (RECEIVED, PREFILL_PICKED),
     "prefill_queue": (PREFILL_QUEUED, PREFILL_STARTED),  # waiting in the prefill engine
     "prefill_compute": (PREFILL_STARTED, PREFILL_FINISHED),
     "register": (LEGS_SENT, KV_REQUESTED),  # push: decode leg into decode's engine, blocks registered
@@ -52,7 +77,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "ttft": (ARRIVED, FIRST_CHUNK),
 }
 # Stages that only make sense on one kind of route.
-_REMOTE_ONLY = {"bind", "prefill_hop", "prefill_queue", "prefill_compute", "register", "handoff", "transfer", "first_step"}
+_REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
+                "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
 # Pull registers nothing: its blocks are allocated after prefill answered.
 _MODE_ONLY = {"register": "push"}

@@ -113,8 +113,8 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
     for stream in (False, True):
         r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
         assert r.status_code == 200
-    order = ["arrived", "decode_received", "legs_sent", "prefill_queued", "prefill_started", "prefill_finished",
-             "kv_landed", "first_token", "first_chunk"]
+    order = ["arrived", "decode_picked", "decode_received", "legs_sent", "prefill_queued", "prefill_started",
+             "prefill_finished", "kv_landed", "first_token", "first_chunk"]
     deadline = time.monotonic() + 30
     while len(timelines := _timelines(client, route="remote")) < 2 and time.monotonic() < deadline:
         time.sleep(1)
@@ -124,6 +124,8 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
         assert None not in stamps, timeline
         assert stamps == sorted(stamps), f"stamps out of order: {timeline.stamps}"
         assert timeline.stamps["prefill_finished"] <= timeline.stamps["prefill_answered"]
+        # Push binds its prefill replica before both legs go out.
+        assert timeline.stamps["decode_received"] <= timeline.stamps["prefill_picked"] <= timeline.stamps["legs_sent"]
         # Decode registered its blocks while prefill computed (push's point), from its engine's stamps.
         assert timeline.stamps["legs_sent"] <= timeline.stamps["kv_requested"] < timeline.stamps["prefill_finished"]
     stages = {}
@@ -132,8 +134,8 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
         stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
                   if name == "ray_rendezvous_stage_seconds_count" and labels.get("mode") == "push"}
         time.sleep(1)
-    assert {"route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
-            "first_step", "deliver", "ttft"} <= set(stages)
+    assert {"route", "decode_pick", "decode_hop", "bind", "prefill_pick", "prefill_hop", "prefill_queue", "prefill_compute",
+            "register", "handoff", "transfer", "first_step", "deliver", "ttft"} <= set(stages)
     sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
             if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]

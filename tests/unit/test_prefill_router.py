@@ -104,3 +104,13 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
     assert asyncio.run(run(with_prompt_tokens(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
     asyncio.run(run(CompletionRequest(model="m", prompt="hi")))
     assert seen == [(1, 4000), (1, 0)] and (server._ongoing, server._tokens_in_flight) == (0, 0)
+
+
+def test_the_pick_time_is_kept_for_the_decode_replicas_timeline_once():
+    from app.prefill_router import prefill_picked_at
+
+    router, replicas = _router(), [_replica("a")]
+    _choose(router, replicas, _leg("timed", 100))
+    at = prefill_picked_at("timed")
+    assert at is not None and at > 0
+    assert prefill_picked_at("timed") is None  # read once

@@ -38,6 +38,13 @@ REMOTE = {
         ("remote", {**REMOTE, "kv_requested": 100.05, "kv_landed": 102.2},
          {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
           "register": 0.02, "handoff": 0.2, "transfer": 0.1, "first_step": 0.1, "deliver": 0.01, "ttft": 2.31}),
+        # The routers' picks split the route and the prefill hop.
+        ("remote", {**REMOTE, "decode_picked": 100.004, "prefill_picked": 100.032},
+         {"route": 0.01, "decode_pick": 0.004, "decode_hop": 0.006, "bind": 0.02, "prefill_hop": 0.01,
+          "prefill_pick": 0.022, "prefill_queue": 0.06, "prefill_compute": 2.0, "handoff": 0.2, "deliver": 0.01,
+          "ttft": 2.31}),
+        ("local", {"arrived": 1.0, "decode_picked": 1.02, "decode_received": 1.1, "first_token": 1.6, "first_chunk": 1.7},
+         {"route": 0.1, "decode_pick": 0.02, "decode_hop": 0.08, "local_prefill": 0.5, "deliver": 0.1, "ttft": 0.7}),
     ],
 )
 def test_stages_from_stamps(route, stamps, expected):
@@ -208,3 +215,22 @@ def test_the_replica_finds_its_request_by_the_engine_id():
     assert external_request_id(engine_request_id("chat", "rdv-7")) == "rdv-7"
     assert external_request_id(engine_request_id("completions", "rdv-7") + "-0") == "rdv-7"  # vLLM adds the prompt index
     assert external_request_id("rdv-7") == "rdv-7"
+
+
+def test_the_decode_router_stamps_its_pick_on_the_request_it_sends():
+    """Serve sends the arguments after the pick: the stamp travels with the request."""
+    from types import SimpleNamespace
+
+    from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+    from app.decode_router import _stamp_pick
+    from app.timeline import decode_picked_of
+
+    for request in (CompletionRequest(model="m", prompt="hi"), ChatCompletionRequest(model="m", messages=[])):
+        assert decode_picked_of(request) is None
+        _stamp_pick(SimpleNamespace(args=(request, None)))
+        first = decode_picked_of(request)
+        assert first is not None and decode_picked_of(request.model_copy()) == first  # survives the replica's copies
+        _stamp_pick(SimpleNamespace(args=(request, None)))  # picked again (the first replica was full)
+        assert decode_picked_of(request) >= first
+    _stamp_pick(SimpleNamespace(args=()))  # nothing to stamp: no error
