@@ -28,8 +28,8 @@ carries out what ``app.planner`` decides; it adds:
   it retains, published for the router through Serve's ``record_routing_stats`` hook,
   and counted in metrics.
 
-Both servers run one short generation on their engine before they take traffic
-(``app.warmup``): a fresh engine's first forward passes are seconds slower on CPU.
+Both servers run two short sampled generations on their engine before they take traffic
+(``app.warmup``): a fresh engine's first sampled generation is seconds slower on CPU.
 """
 
 from __future__ import annotations
