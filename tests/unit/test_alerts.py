@@ -48,7 +48,7 @@ def test_the_operators_prometheusrule_holds_the_same_rules():
     assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
     assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
     kustomization = yaml.safe_load((REPO / "k8s" / "monitoring" / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["prometheusrule.yaml"]
+    assert kustomization["resources"] == ["prometheusrule.yaml", "podmonitor.yaml"]
 
 
 def test_each_alert_has_a_severity_a_summary_and_a_runbook_entry():

@@ -136,7 +136,7 @@ DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 @pytest.mark.parametrize("overlay, config", PAIRS)
 def test_rendered_manifests_are_valid(overlay, config):
     manifests = rendered(overlay, config)
-    assert sorted(m["kind"] for m in manifests) == ["RayService", "Service"]
+    assert sorted(m["kind"] for m in manifests) == ["PersistentVolumeClaim", "RayService", "Service"]
     for manifest in manifests:
         assert DNS_1123.match(manifest["metadata"]["name"]), manifest["metadata"]["name"]
         if manifest["apiVersion"] == "ray.io/v1":
@@ -233,6 +233,35 @@ def test_head_has_no_accelerators(overlay, config):
     container = head["template"]["spec"]["containers"][0]
     assert not {GPU_DEVICE, EFA_DEVICE, *NEURON_DEVICES} & set(container["resources"]["limits"])
     assert "resources" not in head["rayStartParams"]
+
+
+@pytest.mark.parametrize("overlay, config", PAIRS)
+def test_pods_drain_keep_their_model_cache_tolerate_efa_and_expose_metrics(overlay, config):
+    manifests = rendered(overlay, config)
+    (claim,) = by_kind(manifests, "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]  # prefill and decode pods on several nodes
+    cluster = rayservice(manifests)["spec"]["rayClusterConfig"]
+    head = cluster["headGroupSpec"]["template"]["spec"]
+    assert "ray stop" in head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][-1]
+    assert {"name": "metrics", "containerPort": 8080} in head["containers"][0]["ports"]
+    for group in cluster["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        container = pod["containers"][0]
+        drain = container["lifecycle"]["preStop"]["exec"]["command"][-1]
+        assert drain.startswith("sleep ") and drain.endswith("ray stop"), drain
+        assert pod["terminationGracePeriodSeconds"] > int(drain.split()[1].rstrip(";")), group["groupName"]
+        assert {"name": "metrics", "containerPort": 8080} in container["ports"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": claim["metadata"]["name"]}}
+        if EFA_DEVICE in container["resources"]["limits"]:
+            assert {"key": EFA_DEVICE, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"], group["groupName"]
+    # The PodMonitor (k8s/monitoring) finds these pods and their port by name.
+    monitor = yaml.safe_load((REPO / "k8s" / "monitoring" / "podmonitor.yaml").read_text())
+    labels = [g["template"]["metadata"]["labels"] for g in cluster["workerGroupSpecs"]]
+    labels.append(cluster["headGroupSpec"]["template"]["metadata"]["labels"])
+    for pod_labels in labels:
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
 
 
 @pytest.mark.parametrize("overlay, config", PAIRS)
