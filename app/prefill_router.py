@@ -25,6 +25,7 @@ from ray.serve._private.request_router.request_router import FIFOMixin, RequestR
 
 from app.decode_router import count_pick, ranked, snapshot_from_stats
 from app.routing import RouteRequest, RoutingPolicy, pick
+from app.timeline import record_prefill_pick
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
 
@@ -56,15 +57,6 @@ def leg_tokens(request: Any) -> int:
         return len(prompt)
     text = prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in getattr(request, "messages", None) or [])
     return len(text) // _CHARS_PER_TOKEN
-
-
-# Request id -> when its prefill replica was picked, until the decode replica (same process) reads it.
-_PICKED_AT: OrderedDict[str, float] = OrderedDict()
-
-
-def prefill_picked_at(request_id: str) -> float | None:
-    """When the prefill router (of this decode replica's process) picked ``request_id``'s prefill replica; once."""
-    return _PICKED_AT.pop(request_id, None)
 
 
 class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
@@ -110,9 +102,7 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
                 self._forget(next(iter(self._in_flight)))
         count_pick("prefill", decision)
         if args and getattr(args[0], "request_id", None):
-            _PICKED_AT[args[0].request_id] = time.time()
-            if len(_PICKED_AT) > _REMEMBERED:
-                _PICKED_AT.popitem(last=False)
+            record_prefill_pick(args[0].request_id, time.time())
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("prefill pick %s for %d tokens, scores=%s", decision.replica_id, tokens, decision.scores)
         return ranked(decision, by_id)

@@ -50,10 +50,18 @@ from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.prefill_router import prefill_picked_at, said_prompt_tokens, with_prompt_tokens
+from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
 from app.routing import PublishedLoad
-from app.timeline import DECODE_PICKED, FIRST_TOKEN, PREFILL_PICKED, RECEIVED, RequestTimeline, decode_picked_of
+from app.timeline import (
+    DECODE_PICKED,
+    FIRST_TOKEN,
+    PREFILL_PICKED,
+    RECEIVED,
+    RequestTimeline,
+    decode_picked_of,
+    prefill_picked_at,
+)
 from app.turns import TurnBook
 from app.warmup import warm_up
 from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id

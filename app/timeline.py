@@ -15,6 +15,7 @@ ingress at the end of a stream (before the response when not streamed) as a
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,6 +56,24 @@ def mark_decode_picked(request: Any, at: float) -> None:
 def decode_picked_of(request: Any) -> float | None:
     at = getattr(request, DECODE_PICKED_FIELD, None)
     return at if isinstance(at, float) else None
+
+
+# Request id -> when the prefill router picked its prefill replica, until the decode replica reads it (same
+# process). Here, not in app.prefill_router: Serve pickles a request router's module *by value*, so the router's
+# module-level state would be a copy; this module is imported by reference from both sides.
+_PREFILL_PICKS: OrderedDict[str, float] = OrderedDict()
+_PREFILL_PICKS_KEPT = 10_000  # picks whose request never reached a first token are dropped oldest first
+
+
+def record_prefill_pick(request_id: str, at: float) -> None:
+    _PREFILL_PICKS[request_id] = at
+    if len(_PREFILL_PICKS) > _PREFILL_PICKS_KEPT:
+        _PREFILL_PICKS.popitem(last=False)
+
+
+def prefill_picked_at(request_id: str) -> float | None:
+    """When the prefill router picked ``request_id``'s prefill replica (the last pick); once."""
+    return _PREFILL_PICKS.pop(request_id, None)
 
 
 # Stage name -> (from, to). A stage is exported when both stamps exist.

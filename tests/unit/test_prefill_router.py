@@ -106,11 +106,22 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
     assert seen == [(1, 4000), (1, 0)] and (server._ongoing, server._tokens_in_flight) == (0, 0)
 
 
-def test_the_pick_time_is_kept_for_the_decode_replicas_timeline_once():
-    from app.prefill_router import prefill_picked_at
+def test_the_pick_time_reaches_the_decode_replica_even_from_a_router_pickled_by_value():
+    """Serve pickles the router's module by value (ray.serve.config: register_pickle_by_value): in the replica the
+    router's functions get their own globals, so module-level state of app.prefill_router would be a copy. The
+    pick must land where app.servers reads it (app.timeline, imported by reference)."""
+    from ray import cloudpickle
 
-    router, replicas = _router(), [_replica("a")]
-    _choose(router, replicas, _leg("timed", 100))
+    import app.prefill_router as module
+    from app.timeline import prefill_picked_at
+
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        choose = cloudpickle.loads(cloudpickle.dumps(LoadAwarePrefillRouter.choose_replicas))
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+    assert choose.__globals__ is not LoadAwarePrefillRouter.choose_replicas.__globals__  # as in a Serve replica
+    asyncio.run(choose(_router(), [_replica("a")], _leg("timed", 100)))
     at = prefill_picked_at("timed")
     assert at is not None and at > 0
     assert prefill_picked_at("timed") is None  # read once
