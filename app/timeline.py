@@ -1,4 +1,5 @@
-"""Where a request's time to first token went: one timeline per request (pure).
+"""Where a request's time to first token went: one timeline per request (pure, but for the
+prefill routers' picks kept until the decode replica reads them: :func:`record_prefill_pick`).
 
 Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival,
 first chunk out), its decode router (the pick, carried to the decode replica on the

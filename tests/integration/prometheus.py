@@ -15,8 +15,9 @@ from urllib.parse import urlsplit
 import httpx
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-SERVER = REPO / ".tools" / "prometheus" / "usr" / "bin" / "prometheus"
+from tests.observability import TOOLS_BIN
+
+SERVER = TOOLS_BIN / "prometheus"
 SCRAPE_S = 5
 
 

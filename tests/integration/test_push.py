@@ -52,8 +52,7 @@ from tests.integration.conversations import Conversation, first_difference, sett
 from tests.integration.reference import app_args
 from tests.integration.conftest import Client, running_app
 from tests.integration.prometheus import prometheus_scraping
-from tests.unit.test_alerts import RULES as ALERT_RULES, alert_rules
-from tests.unit.test_dashboard import legend_labels, targets as dashboard_targets
+from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
 CONFIG = "configs/local-cpu.yaml"
 

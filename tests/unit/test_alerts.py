@@ -5,38 +5,20 @@ for each, and only metrics the app exports (no Prometheus server started)."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
-from pathlib import Path
 
-import pytest
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
-RULES = REPO / "observability" / "alerts.yaml"
-# `make install` puts Debian's promtool here when it is not on PATH (Makefile: PROMTOOL).
-LOCAL_PROMTOOL = REPO / ".tools" / "prometheus" / "usr" / "bin" / "promtool"
-
-
-def _promtool() -> str:
-    found = shutil.which("promtool") or (str(LOCAL_PROMTOOL) if LOCAL_PROMTOOL.exists() else None)
-    if found is None:
-        pytest.fail("promtool is not installed: `make install` fetches Debian's prometheus package into .tools/")
-    return found
-
-
-def alert_rules() -> list[dict]:
-    return [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
-
+from tests.observability import REPO, RULES, alert_rules, promtool
 
 def test_the_rules_are_valid_prometheus_rules():
-    done = subprocess.run([_promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
+    done = subprocess.run([promtool(), "check", "rules", str(RULES)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(alert_rules())} rules found" in done.stdout
 
 
 def test_each_alert_fires_on_its_series_after_its_for_and_not_on_healthy_ones():
-    done = subprocess.run([_promtool(), "test", "rules", "alerts_test.yaml"], cwd=REPO / "tests" / "unit",
+    done = subprocess.run([promtool(), "test", "rules", "alerts_test.yaml"], cwd=REPO / "tests" / "unit",
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     tested = set(re.findall(r"alertname: (\w+)", (REPO / "tests" / "unit" / "alerts_test.yaml").read_text()))

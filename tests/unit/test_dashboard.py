@@ -4,29 +4,17 @@ on a live app is checked against a real Prometheus by tests/integration/test_pus
 
 from __future__ import annotations
 
-import json
-import re
 import subprocess
 
 import yaml
 
-from tests.unit.test_alerts import REPO, _promtool
+from tests.observability import dashboard, dashboard_targets as targets, grouping_labels, legend_labels, promtool
 
-DASHBOARD = REPO / "observability" / "grafana-dashboard.json"
 ROWS = ["Is it serving?", "Where does the time go?", "Is KV moving?", "Are conversations reusing?", "Is placement balanced?"]
 
 
-def _dashboard() -> dict:
-    return json.loads(DASHBOARD.read_text())
-
-
-def targets() -> list[tuple[str, dict]]:
-    """(panel title, target) of every query (shared with the live check)."""
-    return [(p["title"], t) for p in _dashboard()["panels"] if p["type"] != "row" for t in p["targets"]]
-
-
 def test_grafana_can_import_it():
-    d = _dashboard()
+    d = dashboard()
     assert d["uid"] == "rendezvous" and d["schemaVersion"] >= 36 and d["title"]
     assert [v["name"] for v in d["templating"]["list"]] == ["datasource"]
     assert d["templating"]["list"][0]["type"] == "datasource" and d["templating"]["list"][0]["query"] == "prometheus"
@@ -42,7 +30,7 @@ def test_grafana_can_import_it():
 
 
 def test_it_is_organised_by_the_questions_an_on_call_asks():
-    assert [p["title"] for p in _dashboard()["panels"] if p["type"] == "row"] == ROWS
+    assert [p["title"] for p in dashboard()["panels"] if p["type"] == "row"] == ROWS
 
 
 def test_every_query_is_valid_promql(tmp_path):
@@ -50,21 +38,8 @@ def test_every_query_is_valid_promql(tmp_path):
         {"record": f"panel_{i}", "expr": t["expr"]} for i, (_, t) in enumerate(targets())]}]}
     path = tmp_path / "dashboard-queries.yaml"
     path.write_text(yaml.safe_dump(rules))
-    done = subprocess.run([_promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
-
-
-def grouping_labels(expr: str) -> set[str]:
-    """Labels a query's aggregations keep (``by (...)``, ``group_left (...)``) or add (``label_replace``)."""
-    kept = set()
-    for labels in re.findall(r"\b(?:by|group_left)\s*\(([^)]*)\)", expr):
-        kept |= {label.strip() for label in labels.split(",") if label.strip()}
-    kept |= set(re.findall(r'label_replace\([^"]*"(\w+)"', expr))
-    return kept
-
-
-def legend_labels(target: dict) -> set[str]:
-    return set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
 
 
 def test_every_legend_label_is_one_its_query_keeps():
