@@ -35,6 +35,7 @@ Both servers run two short sampled generations on their engine before they take 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -66,7 +67,7 @@ from app.turns import TurnBook
 from app.warmup import warm_up
 from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.ray_backend import register_backends
-from connector.stages import DecodeKvStamps, listen_for_decode_stamps
+from connector.stages import STAMPS_PID_ENV, DecodeKvStamps, listen_for_decode_stamps
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
 
@@ -131,6 +132,7 @@ class DecodeServer(PDDecodeServer):
         **kwargs,
     ):
         """Every setting comes from the config (``app.builder``); their defaults live in ``app.args``."""
+        os.environ[STAMPS_PID_ENV] = str(os.getpid())  # before the engine starts: its processes stamp to us
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
         settings = PlanSettings(
             mode=TransferMode(mode),
@@ -191,7 +193,7 @@ class DecodeServer(PDDecodeServer):
     def _engine_stamped(self, stamps: DecodeKvStamps) -> None:
         timeline = self._timelines.get(external_request_id(stamps.request_id))
         if timeline is not None:
-            timeline.add_decode_kv_stamps(stamps.requested, stamps.landed)
+            timeline.add_decode_kv_stamps(stamps)
 
     async def record_routing_stats(self) -> dict[str, Any]:
         # Serve calls this every routing.stats_period_s; re-setting the load gauges here keeps

@@ -5,8 +5,8 @@ Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress
 first chunk out), its decode router (the pick, carried to the decode replica on the
 request: :func:`mark_decode_picked`), the decode replica (received, legs sent, prefill's
 answer in, first token out of its engine; its prefill router's pick), the prefill engine (the leg queued, started, finished: in
-prefill's response) and the decode engine (KV asked for and landed: a datagram to its
-replica); see ``connector.stages``. The decode replica sends its stamps to the
+prefill's response) and the decode engine (KV asked for and landed, and push's WRITE start that
+prefill's worker told it: datagrams to its replica); see ``connector.stages``. The decode replica sends its stamps to the
 ingress at the end of a stream (before the response when not streamed) as a
 :class:`RequestTimeline`; the ingress adds its own, exports each stage's duration
 (``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.planner import Route
-from connector.stages import PrefillStages
+from connector.stages import DecodeKvStamps, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
 LOG_MARKER = "rendezvous_timeline "
@@ -37,6 +37,7 @@ PREFILL_STARTED = "prefill_started"  # prefill engine: the leg was first schedul
 PREFILL_FINISHED = "prefill_finished"  # prefill engine: its KV computed
 PREFILL_ANSWERED = "prefill_answered"  # decode replica: prefill's response came back
 KV_REQUESTED = "kv_requested"  # decode engine: blocks allocated (push: registered with prefill; pull: READ started)
+WRITE_STARTED = "write_started"  # push: prefill's worker began the WRITE (via decode's engine)
 KV_LANDED = "kv_landed"  # decode engine: the KV is all there
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
 FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
@@ -91,6 +92,9 @@ STAGES: dict[str, tuple[str, str]] = {
     "register": (LEGS_SENT, KV_REQUESTED),  # push: decode leg into decode's engine, blocks registered
     "handoff": (PREFILL_FINISHED, FIRST_TOKEN),  # KV to decode (WRITE or READ) and decode's first step:
     "transfer": (PREFILL_FINISHED, KV_LANDED),  # ... push: WRITE; pull: answer to decode, READ
+    "write_wait": (PREFILL_FINISHED, WRITE_STARTED),  # ... push: until the writer thread starts the WRITE
+    "write": (WRITE_STARTED, KV_LANDED),  # ... push: the WRITE, its notification, decode's engine seeing it
+    "read": (KV_REQUESTED, KV_LANDED),  # ... pull: the READ and decode's engine seeing it done
     "first_step": (KV_LANDED, FIRST_TOKEN),  # ... decode's first step, its output to the replica
     "local_prefill": (RECEIVED, FIRST_TOKEN),  # decode prefilled it itself (route local/fallback)
     "deliver": (FIRST_TOKEN, FIRST_CHUNK),  # decode replica -> ingress -> client
@@ -98,10 +102,10 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 # Stages that only make sense on one kind of route.
 _REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
-                "first_step"}
+                "write_wait", "write", "read", "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
-# Pull registers nothing: its blocks are allocated after prefill answered.
-_MODE_ONLY = {"register": "push"}
+# Pull registers nothing: its blocks are allocated after prefill answered, then it READs.
+_MODE_ONLY = {"register": "push", "write_wait": "push", "write": "push", "read": "pull"}
 
 
 @dataclass
@@ -125,10 +129,12 @@ class RequestTimeline:
             if value is not None:
                 self.stamp(name, value)
 
-    def add_decode_kv_stamps(self, requested: float, landed: float) -> None:
-        """The decode engine's own stamps (``connector.stages.DecodeKvStamps``)."""
-        self.stamp(KV_REQUESTED, requested)
-        self.stamp(KV_LANDED, landed)
+    def add_decode_kv_stamps(self, stamps: DecodeKvStamps) -> None:
+        """The decode engine's own stamps, whichever this datagram carries."""
+        for name, value in ((KV_REQUESTED, stamps.requested), (WRITE_STARTED, stamps.write_started),
+                            (KV_LANDED, stamps.landed)):
+            if value is not None:
+                self.stamp(name, value)
 
     def stages(self) -> dict[str, float]:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""

@@ -31,11 +31,13 @@ MODES = {"push": "configs/local-cpu.yaml", "pull": "configs/local-cpu-pull.yaml"
 KINDS = ("long", "short_during", "short_alone")
 _WORDS = "river fox stone cloud lantern meadow copper violin harbor maple".split()
 # Bars of the waterfall, in the order a request passes them.
-# A handoff is drawn as its two parts (transfer, first_step) when the decode engine stamped them.
-_SEGMENTS = ["route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "transfer", "first_step", "handoff",
-             "local_prefill", "deliver"]
-_COLORS = dict(zip(_SEGMENTS, ["tab:gray", "tab:olive", "tab:cyan", "tab:orange", "tab:blue", "tab:red", "tab:pink",
-                               "tab:brown", "tab:purple", "tab:green"]))
+# A handoff is drawn as its two parts (transfer, first_step) when the decode engine stamped them,
+# and push's transfer as its two (write_wait, write) when the WRITE's start came through.
+_SEGMENTS = ["route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "write_wait", "write", "transfer",
+             "first_step", "handoff", "local_prefill", "deliver"]
+_COLORS = dict(zip(_SEGMENTS, ["tab:gray", "tab:olive", "tab:cyan", "tab:orange", "tab:blue", "gold", "tab:red",
+                               "tab:red", "tab:pink", "tab:brown", "tab:purple", "tab:green"]))
+_DRAWN_AS_PARTS = {"handoff": ("transfer",), "transfer": ("write_wait", "write")}
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,8 @@ def plot_waterfall(samples: list[Sample], path: Path) -> Path:
             stamps, stages = s.timeline.stamps, s.timeline.stages()
             left = stamps.get("arrived", t0) - t0
             for name in _SEGMENTS:
-                if name in stages and not (name == "handoff" and "transfer" in stages):
+                parts = _DRAWN_AS_PARTS.get(name, ())
+                if name in stages and not (parts and all(part in stages for part in parts)):
                     ax.barh(y, stages[name], left=left, color=_COLORS[name], label=name if y == 0 or name not in
                             ax.get_legend_handles_labels()[1] else None)
                     left += stages[name]

@@ -43,6 +43,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from connector.push_reuse import ReuseScheduler, ReuseWorker
+from connector.stages import is_write_started
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -210,7 +211,8 @@ class _WakingQueue(queue.Queue):
 
     def put(self, item, block=True, timeout=None):
         super().put(item, block, timeout)
-        if threading.current_thread() is self._writer():  # the main thread re-queues some
+        # The main thread re-queues some; a WRITE's start stamp waits for the next step.
+        if threading.current_thread() is self._writer() and not is_write_started(item):
             self._wake()
 
 

@@ -10,9 +10,13 @@ happens inside the engines it cannot. Their connector schedulers see it:
 * decode: when the request's blocks were allocated for remote KV (push: registered with
   prefill; pull: its READ started) and when the KV had landed (the worker reported the
   receive complete). Decode's response carries no params when streamed, so these go to the
-  engine's parent process (the serving replica) as one datagram per request, on an
-  abstract UNIX socket named after that process (:func:`stamps_address`); a replica that
-  does not listen loses nothing but the stamps.
+  serving replica as datagrams, on an abstract UNIX socket named after that process
+  (:func:`stamps_address`; the replica names itself in ``STAMPS_PID_ENV`` before its engine
+  starts); a replica that does not listen loses nothing but the stamps.
+* push's WRITE start: only the prefill worker sees it. It sends decode's workers one small
+  NIXL notification (``WRITE_STARTED_NOTIF``) just before the WRITE, and decode's worker
+  passes the time on to its replica as above (:class:`WriteClock`). One UCX message per
+  request and producer rank; one that arrives after the KV is only a stamp lost.
 
 Wall clock: the orchestrator compares them with its own stamps (same host, or NTP).
 """
@@ -23,6 +27,7 @@ import asyncio
 import json
 import logging
 import os
+import queue
 import socket
 import time
 from collections.abc import Callable
@@ -36,11 +41,14 @@ logger = logging.getLogger("vllm.rendezvous")
 
 @dataclass(frozen=True)
 class DecodeKvStamps:
-    """Decode engine -> its replica: when one request's remote KV was asked for and landed."""
+    """Decode engine -> its replica: when one request's remote KV was asked for, pushed, landed.
+    The scheduler sends ``requested`` and ``landed``, the worker ``write_started``: each datagram
+    carries what its sender knows."""
 
     request_id: str  # the engine's id (connector.params.external_request_id gives the replica's)
-    requested: float  # push: blocks registered with prefill; pull: READ started
-    landed: float  # the worker reported the receive complete
+    requested: float | None = None  # push: blocks registered with prefill; pull: READ started
+    landed: float | None = None  # the worker reported the receive complete
+    write_started: float | None = None  # push: the prefill worker began its WRITE (its clock)
 
     def to_wire(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -49,14 +57,43 @@ class DecodeKvStamps:
     def from_wire(cls, data: bytes) -> DecodeKvStamps | None:
         try:
             raw = json.loads(data)
-            return cls(str(raw["request_id"]), float(raw["requested"]), float(raw["landed"]))
+            request_id = raw["request_id"]
         except (ValueError, KeyError, TypeError):
             return None
+        if not isinstance(request_id, str):
+            return None
+        return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "write_started")))
+
+
+# The serving replica's pid, set by the replica before its engine starts (the engine's
+# processes inherit it). Unset: the engine's parent (vLLM's EngineCore is the replica's child).
+STAMPS_PID_ENV = "RENDEZVOUS_STAMPS_PID"
 
 
 def stamps_address(replica_pid: int) -> bytes:
     """Abstract UNIX socket on which the serving process ``replica_pid`` hears its engine."""
     return b"\0rendezvous-stamps-%d" % replica_pid
+
+
+def _stamps_target() -> bytes:
+    pid = os.environ.get(STAMPS_PID_ENV, "")
+    return stamps_address(int(pid) if pid.isdigit() else os.getppid())
+
+
+class _StampSender:
+    """One non-blocking datagram socket per process side (scheduler, worker)."""
+
+    def __init__(self) -> None:
+        self._socket: socket.socket | None = None
+
+    def send(self, stamps: DecodeKvStamps) -> None:
+        if self._socket is None:
+            self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._socket.setblocking(False)
+        try:
+            self._socket.sendto(stamps.to_wire(), _stamps_target())
+        except OSError:  # nobody listens (not under our replica): the stamps are only lost
+            pass
 
 
 class StageClock:
@@ -65,7 +102,7 @@ class StageClock:
     def _state(self) -> dict[str, Any]:
         # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
         # requested: decode request -> blocks allocated for remote KV.
-        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "socket": None})
+        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "sender": _StampSender()})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
@@ -81,7 +118,7 @@ class StageClock:
         for request_id in connector_output.finished_recving or ():
             at = requested.pop(request_id, None)
             if at is not None:
-                self._send_stamps(DecodeKvStamps(request_id, at, time.time()))
+                self._state()["sender"].send(DecodeKvStamps(request_id, requested=at, landed=time.time()))
 
     def request_finished(self, request, block_ids):
         state = self._state()
@@ -93,15 +130,55 @@ class StageClock:
             params[STAGES_KEY] = PrefillStages(getattr(request, "arrival_time", None), started, time.time()).to_wire()
         return delay, params
 
-    def _send_stamps(self, stamps: DecodeKvStamps) -> None:
-        state = self._state()
-        if state["socket"] is None:
-            state["socket"] = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            state["socket"].setblocking(False)
-        try:
-            state["socket"].sendto(stamps.to_wire(), stamps_address(os.getppid()))
-        except OSError:  # nobody listens (not under our replica): the stamps are only lost
-            pass
+
+# Push: prefill worker -> decode workers, just before the WRITE: b"<prefix><time>:<decode's request id>".
+WRITE_STARTED_NOTIF = b"rdv-write-started:"
+
+
+def is_write_started(notif: bytes) -> bool:
+    return notif.startswith(WRITE_STARTED_NOTIF)
+
+
+def write_started_notif(decode_request_id: str, at: float) -> bytes:
+    return WRITE_STARTED_NOTIF + f"{at:.6f}:{decode_request_id}".encode()
+
+
+def parse_write_started(notif: bytes) -> DecodeKvStamps | None:
+    try:
+        at, request_id = notif[len(WRITE_STARTED_NOTIF):].decode().split(":", 1)
+        return DecodeKvStamps(request_id, write_started=float(at))
+    except ValueError:  # not ours, or malformed (UnicodeDecodeError is a ValueError)
+        return None
+
+
+class WriteClock:
+    """Mixin for the push worker (put before vLLM's class): prefill says when a WRITE starts,
+    decode hands it to its replica and keeps the notification from vLLM's accounting."""
+
+    def _xfer_blocks_for_req(self, req_id, meta):
+        remote = meta.remote
+        notif = write_started_notif(remote.request_id, time.time())
+        for agent_name in (self._remote_agents.get(remote.engine_id) or {}).values():
+            try:
+                self.nixl_wrapper.send_notif(agent_name, notif_msg=notif)
+            except Exception:  # a stamp is never worth a transfer
+                logger.debug("write-start stamp for %s not sent", req_id, exc_info=True)
+        return super()._xfer_blocks_for_req(req_id, meta)
+
+    def _get_new_notifs(self) -> set[str]:
+        kept = []
+        while True:
+            try:
+                notif = self._pending_completion_notifs.get_nowait()
+            except queue.Empty:
+                break
+            if not is_write_started(notif):
+                kept.append(notif)
+            elif (stamps := parse_write_started(notif)) is not None:
+                self.__dict__.setdefault("_rendezvous_stamp_sender", _StampSender()).send(stamps)
+        for notif in kept:
+            self._pending_completion_notifs.put(notif)
+        return super()._get_new_notifs()
 
 
 @dataclass(frozen=True)

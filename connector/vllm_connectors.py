@@ -46,7 +46,7 @@ from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_TIMEOUT_KEY
 from connector.pull_history import HistoryPullScheduler
-from connector.stages import StageClock
+from connector.stages import StageClock, WriteClock
 from connector.transfer_order import TransfersFirst
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -91,6 +91,10 @@ class PullScheduler(TransfersFirst, StageClock, HistoryPullScheduler):
     pass
 
 
+class PushWorker(WriteClock, IdleWorker):
+    pass
+
+
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
@@ -113,7 +117,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 # offers no history for such models (see connector.push_reuse).
                 logger.warning("%s and history reuse off: the model has several KV cache groups", KV_TIMEOUT_KEY)
             else:
-                self.connector_worker.__class__ = IdleWorker
+                self.connector_worker.__class__ = PushWorker
                 self.connector_worker._recv_expiry = {}
                 self.connector_worker.init_reuse()
                 self.connector_worker.init_idle()

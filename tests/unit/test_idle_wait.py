@@ -139,6 +139,21 @@ def test_the_writer_thread_polls_only_while_pushed_kv_is_due():
     assert event.wait() is True  # untimed again: only a wake ends it
 
 
+def test_the_writer_threads_notifications_wake_the_engine_but_a_write_start_stamp_does_not():
+    from connector.idle_wait import _WakingQueue
+    from connector.stages import write_started_notif
+
+    wakes, writer = [], threading.current_thread()
+    notifs = _WakingQueue(lambda: wakes.append(1), lambda: writer)
+    notifs.put(write_started_notif("chatcmpl-rdv-1", 1.0))  # read at the next step; waking for it costs a step
+    assert wakes == []
+    notifs.put(b"chatcmpl-rdv-1:1")  # pushed KV landed
+    assert wakes == [1] and notifs.qsize() == 2
+    writer = None  # the main thread re-queueing what it kept: no wake
+    notifs.put(b"chatcmpl-rdv-2:1")
+    assert wakes == [1]
+
+
 def test_stack_self_finds_the_nearest_matching_caller():
     class Outer:
         def call(self, fn):

@@ -601,6 +601,17 @@ def test_vllm_push_internals_our_overrides_use():
     for ours_cls, method in overrides:
         upstream = getattr(ours_cls.__bases__[0], method)
         assert list(inspect.signature(getattr(ours_cls, method)).parameters) == list(inspect.signature(upstream).parameters)
+    from connector.stages import WriteClock
+
+    for method in ("_xfer_blocks_for_req", "_get_new_notifs"):  # WriteClock is a mixin: compare with vLLM's worker
+        assert list(inspect.signature(getattr(WriteClock, method)).parameters) == list(
+            inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
+    # The WRITE's start: sent from the one method that issues push WRITEs, to the agents vLLM notifies.
+    assert "self._xfer_blocks_for_req(req_id=request_id, meta=push_meta)" in inspect.getsource(
+        push_worker.NixlPushConnectorWorker._do_start_push_kv)
+    assert '"WRITE",' in inspect.getsource(push_worker.NixlPushConnectorWorker)
+    assert "self.nixl_wrapper.send_notif(agent_name, notif_msg=" in inspect.getsource(push_worker)
+    assert "self._remote_agents.get(engine_id)" in inspect.getsource(push_worker)
     # State the overrides read, by name.
     assert "self._push_pending_registrations[request.request_id] = {" in inspect.getsource(push_scheduler)
     worker_source = inspect.getsource(push_worker) + inspect.getsource(base_worker)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -38,6 +39,11 @@ REMOTE = {
         ("remote", {**REMOTE, "kv_requested": 100.05, "kv_landed": 102.2},
          {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
           "register": 0.02, "handoff": 0.2, "transfer": 0.1, "first_step": 0.1, "deliver": 0.01, "ttft": 2.31}),
+        # Push: the WRITE's start (prefill's worker, through decode's) splits the transfer.
+        ("remote", {**REMOTE, "kv_requested": 100.05, "write_started": 102.13, "kv_landed": 102.2},
+         {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
+          "register": 0.02, "handoff": 0.2, "transfer": 0.1, "write_wait": 0.03, "write": 0.07, "first_step": 0.1,
+          "deliver": 0.01, "ttft": 2.31}),
         # The routers' picks split the route and the prefill hop.
         ("remote", {**REMOTE, "decode_picked": 100.004, "prefill_picked": 100.032},
          {"route": 0.01, "decode_pick": 0.004, "decode_hop": 0.006, "bind": 0.02, "prefill_hop": 0.01,
@@ -57,6 +63,7 @@ def test_pull_allocates_after_prefill_answered_so_it_has_no_register_stage():
     stamps = {**REMOTE, "kv_requested": 102.15, "kv_landed": 102.2}
     stages = RequestTimeline("r", "pull", "remote", True, stamps).stages()
     assert "register" not in stages and stages["transfer"] == pytest.approx(0.1)
+    assert stages["read"] == pytest.approx(0.05) and "write" not in stages
 
 
 def test_the_first_stamp_counts_and_the_prefill_report_is_read_defensively():
@@ -205,8 +212,64 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed(mon
 
     heard = asyncio.run(run())
     assert [s.request_id for s in heard] == ["chatcmpl-rdv-1"]
-    assert heard[0].requested <= heard[0].landed
+    assert heard[0].requested <= heard[0].landed and heard[0].write_started is None
     assert stages.DecodeKvStamps.from_wire(b"not json") is None
+    assert stages.DecodeKvStamps.from_wire(b'{"request_id": 7}') is None
+
+
+def test_prefill_tells_decode_when_its_write_starts_and_decode_tells_its_replica(monkeypatch):
+    """connector.stages.WriteClock: the prefill worker notifies every agent of decode's engine just
+    before the WRITE; decode's worker turns that notification into a stamp for its replica and
+    hands vLLM only the notifications that are vLLM's."""
+    import queue
+
+    import connector.stages as stages
+
+    monkeypatch.setenv(stages.STAMPS_PID_ENV, str(stages.os.getpid()))  # this process plays the replica
+
+    class Upstream:
+        def __init__(self):
+            self._remote_agents = {"decode-engine": {0: "agent-0", 1: "agent-1"}}
+            self._pending_completion_notifs = queue.Queue()
+            self.sent, self.written, self.vllm_saw = [], [], []
+            self.nixl_wrapper = SimpleNamespace(send_notif=lambda agent, notif_msg: self.sent.append((agent, notif_msg)))
+
+        def _xfer_blocks_for_req(self, req_id, meta):
+            self.written.append(req_id)
+
+        def _get_new_notifs(self):
+            while not self._pending_completion_notifs.empty():
+                self.vllm_saw.append(self._pending_completion_notifs.get_nowait())
+            return set()
+
+    class Worker(stages.WriteClock, Upstream):
+        pass
+
+    prefill = Worker()
+    meta = SimpleNamespace(remote=SimpleNamespace(engine_id="decode-engine", request_id="chatcmpl-rdv-3-abc"))
+    prefill._xfer_blocks_for_req("prefill-id", meta)
+    assert prefill.written == ["prefill-id"]
+    assert [agent for agent, _ in prefill.sent] == ["agent-0", "agent-1"]
+
+    async def run():
+        heard = []
+        sock = stages.listen_for_decode_stamps(heard.append)
+        decode = Worker()
+        for notif in (prefill.sent[0][1], b"chatcmpl-rdv-3-abc:1", stages.WRITE_STARTED_NOTIF + b"garbage"):
+            decode._pending_completion_notifs.put(notif)
+        decode._get_new_notifs()
+        for _ in range(100):
+            if heard:
+                break
+            await asyncio.sleep(0.01)
+        asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
+        return heard, decode.vllm_saw
+
+    heard, vllm_saw = asyncio.run(run())
+    assert vllm_saw == [b"chatcmpl-rdv-3-abc:1"]  # vLLM's completion notification, and only it
+    assert [(s.request_id, s.requested, s.landed) for s in heard] == [("chatcmpl-rdv-3-abc", None, None)]
+    assert abs(heard[0].write_started - time.time()) < 60
 
 
 def test_the_replica_finds_its_request_by_the_engine_id():
