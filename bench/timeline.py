@@ -186,7 +186,7 @@ def plot_waterfall(samples: list[Sample], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     modes = sorted({s.mode for s in samples})
-    fig, axes = plt.subplots(len(modes), 1, figsize=(11, 1.2 + 0.32 * max(1, len(samples) // max(1, len(modes)))),
+    fig, axes = plt.subplots(len(modes), 1, figsize=(12.5, 1.2 + 0.32 * max(1, len(samples) // max(1, len(modes)))),
                              squeeze=False)
     for ax, mode in zip(axes[:, 0], modes):
         rows = [s for s in samples if s.mode == mode and s.timeline is not None]
@@ -205,7 +205,7 @@ def plot_waterfall(samples: list[Sample], path: Path) -> Path:
         ax.set_title(f"{mode}: each request from its arrival (s)", fontsize=9)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
-        ax.legend(unique.values(), unique.keys(), fontsize=7, ncol=4, loc="lower right")
+        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # off the bars
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
