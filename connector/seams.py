@@ -115,6 +115,7 @@ T_PD = _T + "test_pd_servers"
 T_CONCURRENT = _T + "test_ray_calls_the_concurrent_decode_we_override"
 T_STREAM = _T + "test_the_ingress_streams_through_the_method_we_wrap"
 T_RESPONSE = _T + "test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend"
+T_HANDLE = _T + "test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap"
 
 _CONNECTORS = ("connector/vllm_connectors.py",)
 _IDLE = ("connector/idle_wait.py",)
@@ -348,7 +349,11 @@ SEAMS: list[Seam] = [
     Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_response", "method", ("app/ingress.py",),
          "late binding: send a prefilled request through the decode router once more", checked_by=T_RESPONSE),
     Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_process_llm_request", "method", ("app/ingress.py",),
-         "retry a request whose decode replica died; end a failed stream with an error event", checked_by=T_STREAM),
+         "retry a request whose decode replica died; end a failed stream with an error event; a stream's queue deadline",
+         checked_by=T_STREAM),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_configured_serve_handle", "method",
+         ("app/ingress.py",), "keep the decode deployment's calls of a request, for its queue deadline to cancel",
+         checked_by=T_HANDLE),
     Seam("ray", f"{_RLLM}.core.server.llm_server", "LLMServer", "import", ("app/servers.py",),
          "call decode's own engine (LLMServer.chat/completions, skipping the PD orchestration)"),
     *_each("ray", f"{_RLLM}.core.server.llm_server:LLMServer", ("chat", "completions"), "method", ("app/servers.py",),

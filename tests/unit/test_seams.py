@@ -173,6 +173,21 @@ def test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend():
     assert "self._get_response(" in inspect.getsource(OpenAiIngress._process_llm_request)
 
 
+def test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap():
+    """The queue deadline (app.ingress) wraps the handle ``_get_configured_serve_handle`` returns;
+    upstream calls ``options(...)`` on it and then ``<method>.remote(...)``, and a handle call's
+    response can be cancelled."""
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    assert list(inspect.signature(OpenAiIngress._get_configured_serve_handle).parameters) == ["self", "model_id"]
+    source = inspect.getsource(OpenAiIngress._get_response)
+    assert "model_handle = self._get_configured_serve_handle(model_id)" in source
+    assert "model_handle = model_handle.options(session_id=session_id)" in source
+    assert "getattr(model_handle, call_method).remote(" in source
+    assert callable(DeploymentResponseGenerator.cancel)
+
+
 def test_build_llm_deployment_signature():
     params = inspect.signature(build_llm_deployment).parameters
     for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
