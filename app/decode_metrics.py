@@ -18,7 +18,10 @@ class DecodeMetrics:
         tags = ("mode", "prefill", "stream")
         self._requests = Counter(
             "rendezvous_requests",
-            description="Requests served, by transfer mode, prefill path (remote = disaggregated, local = short prompt) and streaming.",
+            description="Requests served, by transfer mode, prefill path and streaming. prefill: remote (disaggregated), "
+            "local (prefilled by decode: a short prompt), fallback (the prefill leg failed or was late: decode prefilled "
+            "it), kv_deadline (push: no WRITE before the KV deadline) or kv_failed (the transfer failed): for these two "
+            "decode recomputed the prompt.",
             tag_keys=tags,
         )
         self._first_chunk = Histogram(

@@ -271,7 +271,12 @@ class DecodeServer(PDDecodeServer):
             self._tokens_in_flight -= cost
             self._metrics.load(self._ongoing, self._tokens_in_flight)
             if served.route is not Route.HANDED_OFF:  # the replica that decodes it counts it
-                self._metrics.finished(served.route.value, stream, first, time.monotonic() - started)
+                # A remote prefill whose KV never landed was recomputed here (vLLM's kv_load_failure_policy).
+                prefilled_by = timeline.kv_failure if served.route is Route.REMOTE and timeline.kv_failure else served.route.value
+                if prefilled_by != served.route.value:
+                    logger.warning("request %s: its KV never landed (%s); decode recomputed the prompt", request_id,
+                                   prefilled_by)
+                self._metrics.finished(prefilled_by, stream, first, time.monotonic() - started)
                 moved = prefilled is not None and prefilled.entry_replica != self._replica_id
                 self._metrics.bound("late" if prefilled else "arrival", moved)
             if turn is not None:

@@ -117,6 +117,7 @@ class RequestTimeline:
     route: str  # app.planner.Route: remote | local | fallback
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
+    kv_failure: str | None = None  # connector.stages.KvFailure: the KV never landed, decode recomputed the prompt
 
     def stamp(self, name: str, at: float) -> None:
         self.stamps.setdefault(name, at)  # the first time counts
@@ -135,6 +136,7 @@ class RequestTimeline:
                             (KV_LANDED, stamps.landed)):
             if value is not None:
                 self.stamp(name, value)
+        self.kv_failure = self.kv_failure or stamps.failed
 
     def stages(self) -> dict[str, float]:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""
