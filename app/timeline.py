@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.planner import Route
-from connector.stages import DecodeKvStamps, PrefillStages
+from connector.stages import DecodeKvStamps, KvFailure, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
 LOG_MARKER = "rendezvous_timeline "
@@ -136,7 +136,9 @@ class RequestTimeline:
                             (KV_LANDED, stamps.landed)):
             if value is not None:
                 self.stamp(name, value)
-        self.kv_failure = self.kv_failure or stamps.failed
+        # The worker's kv_mismatch and the scheduler's generic kv_failed report the same load: the specific one wins.
+        if stamps.failed and (self.kv_failure is None or stamps.failed == KvFailure.MISMATCH.value):
+            self.kv_failure = stamps.failed
 
     def stages(self) -> dict[str, float]:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""

@@ -46,6 +46,7 @@ class KvFailure(str, Enum):
 
     DEADLINE = "kv_deadline"  # push: no WRITE before the registration's deadline (connector.push_deadline)
     FAILED = "kv_failed"  # the transfer (or its handshake) failed
+    MISMATCH = "kv_mismatch"  # push: it landed, but not the bytes prefill sent (connector.kv_checksum)
 
 
 # A failure this close to the request's push deadline is the deadline's (it fires at the expiry).
@@ -96,7 +97,7 @@ def _stamps_target() -> bytes:
     return stamps_address(int(pid) if pid.isdigit() else os.getppid())
 
 
-class _StampSender:
+class StampSender:
     """One non-blocking datagram socket per process side (scheduler, worker)."""
 
     def __init__(self) -> None:
@@ -120,7 +121,7 @@ class StageClock:
         # requested: decode request -> blocks allocated for remote KV.
         # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
         return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {},
-                                                                    "sender": _StampSender()})
+                                                                    "sender": StampSender()})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
@@ -204,7 +205,7 @@ class WriteClock:
             if not is_write_started(notif):
                 kept.append(notif)
             elif (stamps := parse_write_started(notif)) is not None:
-                self.__dict__.setdefault("_rendezvous_stamp_sender", _StampSender()).send(stamps)
+                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(stamps)
         for notif in kept:
             self._pending_completion_notifs.put(notif)
         return super()._get_new_notifs()

@@ -50,14 +50,14 @@ def reference():
 
 
 @contextlib.contextmanager
-def running_app(config: str, log_dir: Path, how: str = "app.run"):
+def running_app(config: str, log_dir: Path, how: str = "app.run", env: dict[str, str] | None = None):
     """Start ``config`` as a user would (``how``: app.run, ``make serve`` or plain ``serve
     run``) and end it with Ctrl-C. Every start first checks that the ports are free, and
     every end that Ctrl-C ended every process of the run and freed the ports, so the next
     module's start is the immediate restart a user would try."""
     busy = busy_ports()
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
-    app = AppProcess(config, log_dir, how=how).start()
+    app = AppProcess(config, log_dir, how=how, env=env).start()
     try:
         app.wait_ready()
         yield app

@@ -188,6 +188,31 @@ def test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap():
     assert callable(DeploymentResponseGenerator.cancel)
 
 
+def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
+    """connector.kv_checksum sums the memory each NIXL descriptor covers and fails a receive as vLLM does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, push_worker
+
+    from connector.kv_checksum import KvChecksums
+
+    # Descriptors: rows of (address, length, device); all-attention descriptor ids are region * num_blocks + block.
+    assert "return (region_ids * num_blocks + block_arr).flatten()" in inspect.getsource(
+        base_worker.NixlBaseConnectorWorker._compute_desc_ids)
+    assert "self.src_blocks_data = (" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
+    assert "self.device_kv_caches = kv_caches" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
+    # A failed receive: its blocks reported invalid, the request put on the failed queue, which get_finished drains
+    # right after popping the done receives.
+    failed = inspect.getsource(base_worker.NixlBaseConnectorWorker._handle_failed_transfer)
+    assert "self._invalid_block_ids.put(set(meta.local_block_ids[0]))" in failed and "self._failed_recv_reqs.put(req_id)" in failed
+    finished = inspect.getsource(base_worker.NixlBaseConnectorWorker.get_finished)
+    assert 0 < finished.index("self._pop_done_transfers(self._recving_transfers)") < finished.index("self._failed_recv_reqs.empty()")
+    assert finished.index("self._get_new_notifs()") < finished.index("self._pop_done_transfers(self._recving_transfers)")
+    # Push: a completion notification makes an empty transfer entry, popped as done.
+    assert "self._recving_transfers.setdefault(req_id, [])" in inspect.getsource(push_worker.NixlPushConnectorWorker._get_new_notifs)
+    for method in ("_xfer_blocks_for_req", "_get_new_notifs", "_pop_done_transfers"):
+        assert list(inspect.signature(getattr(KvChecksums, method)).parameters) == list(
+            inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
+
+
 def test_build_llm_deployment_signature():
     params = inspect.signature(build_llm_deployment).parameters
     for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
@@ -803,8 +828,10 @@ def _class_sources(cls):
 
 
 def _assigned_on_self(source: str) -> set[str]:
-    """Names a class's source sets on its instances: ``self.x = ...`` or ``self.x: T ...`` at a statement's start."""
-    return set(re.findall(r"^\s*self\.(\w+)\s*(?:=(?!=)|:\s*\S)", source, re.M))
+    """Names a class's source sets on its instances: ``self.x = ...`` or ``self.x: T ...`` at a statement's start,
+    or the last of a tuple assignment (``self.a[k], self.x = (``)."""
+    return (set(re.findall(r"^\s*self\.(\w+)\s*(?:=(?!=)|:\s*\S)", source, re.M))
+            | set(re.findall(r"^\s*self\.[\w.\[\]]+,\s*self\.(\w+)\s*=(?!=)", source, re.M)))
 
 
 def _has_attribute(cls, name: str) -> bool:

@@ -1,0 +1,215 @@
+"""Checksums of pushed KV (vLLM-side; no Ray, no ``app``): a WRITE that lands wrong bytes is caught
+before decode computes with them.
+
+The worst failure of NIXL P/D is not a crash but a 200 with garbage: KV written to the wrong blocks,
+a mapping mismatch, a partial write counted as complete. Just before each WRITE the prefill worker
+sums every (layer region, block) descriptor it sends (the int64 sum of its bytes, on the device
+that holds it) and sends the sums to its peer decode worker in one NIXL notification
+(``KV_SUMS_NOTIF``; the same endpoint carries the WRITE's completion afterwards, so the sums come
+first). When decode's worker sees the receive complete it sums what landed in its own blocks and
+compares. A mismatch fails the load the way vLLM's own transfer failures do: the blocks are
+reported invalid and vLLM recomputes the prompt on decode (``kv_load_failure_policy: recompute``),
+so the client still gets a correct answer; decode's replica counts it as ``prefill="kv_mismatch"``
+(a datagram, ``connector.stages``) and the worker logs which descriptors disagreed.
+
+Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted blocks, a write
+that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
+Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
+physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
+sent and decode checks nothing (logged once). Push only, for now.
+
+Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
+(and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
+WRITE reads the file: ``flip`` makes decode corrupt a byte of what landed before its check (as a
+bad transport would), ``shift`` makes prefill write every block into its neighbour's slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from collections import OrderedDict
+
+import msgspec
+import numpy as np
+
+from connector.stages import DecodeKvStamps, KvFailure, StampSender
+
+logger = logging.getLogger("vllm.rendezvous")
+
+KV_SUMS_NOTIF = b"rdv-kv-sums:"
+FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
+FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
+FAULTS = ("flip", "shift")
+_EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
+
+
+class KvSums(msgspec.Struct, frozen=True):
+    """Prefill worker -> its peer decode worker, just before a WRITE."""
+
+    request_id: str  # decode's
+    regions: int
+    sums: bytes  # int64, [regions, blocks], blocks in decode's order
+
+
+def injected_fault() -> str | None:
+    """The fault the test harness asks for now, if any (read at each use: tests switch it on a running app)."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path or os.environ.get(FAULTS_ALLOWED_ENV) != "1":
+        return None
+    try:
+        with open(path) as f:
+            fault = f.read().strip()
+    except OSError:
+        return None
+    return fault if fault in FAULTS else None
+
+
+def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
+    """(region, block position) pairs whose sums differ; every pair if the shapes do."""
+    if expected.shape != got.shape:
+        return [(r, b) for r in range(max(expected.shape[0], got.shape[0])) for b in range(max(expected.shape[1], 1))]
+    return [(int(r), int(b)) for r, b in zip(*np.nonzero(expected != got))]
+
+
+class KvChecksums:
+    """Mixin for the push worker (put before vLLM's class); both roles."""
+
+    def _kv_regions(self):
+        """Per descriptor region: a [num_blocks, block bytes] uint8 view of the memory NIXL transfers;
+        None where descriptors do not pair one to one (see the module docstring)."""
+        cached = self.__dict__.get("_rendezvous_kv_regions", False)
+        if cached is not False:
+            return cached
+        regions = None
+        try:
+            regions = self._build_kv_regions()
+        except Exception:  # never let a safety check take the engine down
+            logger.exception("KV checksums off: cannot map the KV cache")
+        if regions is None:
+            logger.warning("KV checksums off for this engine: its KV layout is not one checksums cover")
+        self.__dict__["_rendezvous_kv_regions"] = regions
+        return regions
+
+    def _build_kv_regions(self):
+        import torch
+
+        if self._has_mamba or self.use_host_buffer or getattr(self, "_is_hma_required", False):
+            return None
+        blocks_data, num_blocks = np.asarray(self.src_blocks_data), self.num_blocks
+        if num_blocks < 2 or len(blocks_data) != self.num_regions * num_blocks:
+            return None
+        storages = {}
+        for cache in self.device_kv_caches.values():
+            storage = cache.untyped_storage()
+            storages[storage.data_ptr()] = (storage, cache.device)
+        regions = []
+        for k in range(self.num_regions):
+            rows = blocks_data[k * num_blocks:(k + 1) * num_blocks]
+            base, length = int(rows[0][0]), int(rows[0][1])
+            stride = int(rows[1][0]) - base
+            if length % 8 or int(rows[-1][0]) != base + (num_blocks - 1) * stride:
+                return None
+            owner = [(ptr, s, d) for ptr, (s, d) in storages.items() if ptr <= base and base + (num_blocks - 1) * stride
+                     + length <= ptr + s.nbytes()]
+            if len(owner) != 1:
+                return None
+            ptr, storage, device = owner[0]
+            flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
+            regions.append(flat.as_strided((num_blocks, length), (stride, 1), base - ptr))
+        return regions
+
+    def kv_sums(self, block_ids) -> np.ndarray | None:
+        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered."""
+        import torch
+
+        regions = self._kv_regions()
+        if regions is None:
+            return None
+        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=regions[0].device)
+        return torch.stack([region[index].view(torch.int64).sum(dim=1) for region in regions]).cpu().numpy()
+
+    # ---------------------------------------------------------------- prefill: sums, then the WRITE
+    def _xfer_blocks_for_req(self, req_id, meta):
+        remote = meta.remote
+        try:
+            self._send_kv_sums(meta)
+        except Exception:  # a check is never worth a transfer
+            logger.exception("KV sums for %s not sent", req_id)
+        if injected_fault() == "shift" and remote.block_ids and len(remote.block_ids[0]) > 1:
+            ids = list(remote.block_ids[0])
+            remote.block_ids = (ids[1:] + ids[:1], *remote.block_ids[1:])
+            logger.warning("fault injection: %s's blocks WRITten into their neighbours' slots", req_id)
+        return super()._xfer_blocks_for_req(req_id, meta)
+
+    def _send_kv_sums(self, meta) -> None:
+        remote = meta.remote
+        info = self.transfer_topo.get_engine_info(remote.engine_id)
+        paired = (len(meta.local_physical_block_ids) == 1 and len(remote.block_ids) == 1
+                  and info.remote_tp_size == self.world_size
+                  and self.transfer_topo.block_size_ratio(info.remote_block_size) == 1
+                  and info.remote_physical_blocks_per_logical == self._physical_blocks_per_logical_kv_block)
+        agent = (self._remote_agents.get(remote.engine_id) or {}).get(self.tp_rank)
+        if not paired or agent is None:
+            return
+        # Decode allocated only what it did not have cached: the blocks pair from the end.
+        wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
+        local = list(meta.local_physical_block_ids[0])[-wanted:] if wanted else []
+        sums = self.kv_sums(local) if local else None
+        if sums is None:
+            return
+        payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
+        self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
+
+    # ---------------------------------------------------------------- decode: keep the sums, check what landed
+    def _get_new_notifs(self) -> set[str]:
+        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
+        kept = []
+        while True:
+            try:
+                notif = self._pending_completion_notifs.get_nowait()
+            except queue.Empty:
+                break
+            if not notif.startswith(KV_SUMS_NOTIF):
+                kept.append(notif)
+                continue
+            try:
+                sums = msgspec.msgpack.decode(notif[len(KV_SUMS_NOTIF):], type=KvSums)
+            except msgspec.DecodeError:
+                logger.warning("malformed KV sums notification dropped")
+                continue
+            expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
+            while len(expected) > _EXPECTED_KEPT:
+                expected.popitem(last=False)
+        for notif in kept:
+            self._pending_completion_notifs.put(notif)
+        return super()._get_new_notifs()
+
+    def _pop_done_transfers(self, transfers):
+        done = super()._pop_done_transfers(transfers)
+        if transfers is not getattr(self, "_recving_transfers", None) or not done:
+            return done
+        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
+        for req_id in list(done):
+            sums, meta = expected.pop(req_id, None), self._recving_metadata.get(req_id)
+            if sums is None or meta is None or len(meta.local_physical_block_ids) != 1:
+                continue  # not sent (a layout sums do not cover), or not ours to check
+            blocks = list(meta.local_physical_block_ids[0])
+            if injected_fault() == "flip" and blocks and self._kv_regions():
+                self._kv_regions()[0][blocks[0], 0] ^= 0xFF
+                logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
+            got = self.kv_sums(blocks)
+            if got is None:
+                continue
+            wrong = mismatches(sums, got)
+            if not wrong:
+                continue
+            logger.warning("KV of %s landed wrong: %d of %d (layer region, block) sums differ, first %s; "
+                           "decode recomputes the prompt", req_id, len(wrong), sums.size, wrong[:3])
+            done.discard(req_id)
+            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+            self._failed_recv_reqs.put(req_id)
+            self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(
+                DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
+        return done
