@@ -232,6 +232,11 @@ class HandoffArgs(_Strict):
         "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
         f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
     )
+    kv_checksums: bool = Field(
+        True, description="Push: prefill sums every block it WRITEs (per layer) and decode checks what landed before "
+        "using it; KV that landed wrong is recomputed by decode (counted as prefill path `kv_mismatch`). "
+        "connector/kv_checksum.py; its cost is in docs/benchmarks.md."
+    )
 
     @model_validator(mode="after")
     def _kv_outlasts_prefill(self) -> "HandoffArgs":

@@ -82,13 +82,16 @@ class KvChecksums:
         cached = self.__dict__.get("_rendezvous_kv_regions", False)
         if cached is not False:
             return cached
+        if not getattr(self, "_kv_checksums", True):  # handoff.kv_checksums: false
+            self.__dict__["_rendezvous_kv_regions"] = None
+            return None
         regions = None
         try:
             regions = self._build_kv_regions()
         except Exception:  # never let a safety check take the engine down
             logger.exception("KV checksums off: cannot map the KV cache")
         if regions is None:
-            logger.warning("KV checksums off for this engine: its KV layout is not one checksums cover")
+            logger.warning("KV checksums off for this engine: its KV layout is not one they cover")
         self.__dict__["_rendezvous_kv_regions"] = regions
         return regions
 

@@ -46,7 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads
-from connector.params import KV_TIMEOUT_KEY
+from connector.params import KV_CHECKSUMS_KEY, KV_TIMEOUT_KEY
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock, WriteClock
 from connector.transfer_order import TransfersFirst
@@ -120,6 +120,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 logger.warning("%s and history reuse off: the model has several KV cache groups", KV_TIMEOUT_KEY)
             else:
                 self.connector_worker.__class__ = PushWorker
+                self.connector_worker._kv_checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
                 self.connector_worker._recv_expiry = {}
                 self.connector_worker.init_reuse()
                 self.connector_worker.init_idle()

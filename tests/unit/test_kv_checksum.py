@@ -154,6 +154,9 @@ def test_layouts_the_sums_do_not_cover_send_none_and_check_nothing():
     hybrid = Worker("hybrid", seed=3)
     hybrid._has_mamba = True
     assert hybrid.kv_sums([0, 1]) is None
+    switched_off = Worker("off", seed=4)
+    switched_off._kv_checksums = False  # handoff.kv_checksums: false
+    assert switched_off.kv_sums([0, 1]) is None
 
 
 def test_the_sums_notification_is_small():
