@@ -14,6 +14,7 @@ import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import RoleMetrics
+from connector.kv_checksum import FAULT_FILE_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
@@ -74,6 +75,9 @@ def running_app(config: str, log_dir: Path, how: str = "app.run", env: dict[str,
             kill_run(app.run_id)
         left = app.leftovers()
         assert not left, f"{config}: processes survived Ctrl-C of {how}: {left}\n{app.log_tail()}"
+        if FAULT_FILE_ENV not in (env or {}):  # no KV corrupted on purpose: no checksum may have failed
+            false_alarms = [line[-200:] for line in app.log_path.open(errors="replace") if "landed wrong" in line]
+            assert not false_alarms, f"{config}: KV checksums failed on clean traffic: {false_alarms}"
         assert code in (0, -2, 2, 130), f"{config}: exit code {code} after Ctrl-C of {how}\n{app.log_tail()}"
         assert not busy_ports(), f"{config}: ports {busy_ports()} still bound after {how} ended"
 
