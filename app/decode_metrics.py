@@ -54,7 +54,8 @@ class DecodeMetrics:
             "rendezvous_conversation_turns",
             description="Conversation turns by what happened to their history: reused (prefill read it back from "
             "decode), local (decode prefilled the turn from its own cache), or why not: first_turn, expired, "
-            "replica_gone, threshold, no_match, no_offer, unsupported (pull), fallback, unreported.",
+            "replica_gone, threshold, no_match, no_offer, unsupported (pull), fallback, unreported, kv_mismatch (read "
+            "back, but its checksums differed: prefill recomputed it).",
             tag_keys=("mode", "history"),
         )
         self._history_tokens = Counter(

@@ -12,16 +12,22 @@ reported invalid and vLLM recomputes the prompt on decode (``kv_load_failure_pol
 so the client still gets a correct answer; decode's replica counts it as ``prefill="kv_mismatch"``
 (a datagram, ``connector.stages``) and the worker logs which descriptors disagreed.
 
+The other way too: a conversation turn's history that prefill READs back from decode
+(``connector.push_reuse``). Decode adds the sums of the blocks it offers to its push registration;
+prefill checks what its READ landed, and on a mismatch recomputes the history (vLLM's failed-load
+path again) and reports the turn as ``kv_mismatch`` (``ReuseReason.MISMATCH``).
+
 Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted blocks, a write
 that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
 Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
 physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
-sent and decode checks nothing (logged once). Push only, for now.
+sent and nothing is checked (logged once). Push mode only: pull's READs are vLLM's own.
 
 Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
-WRITE reads the file: ``flip`` makes decode corrupt a byte of what landed before its check (as a
-bad transport would), ``shift`` makes prefill write every block into its neighbour's slot.
+transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
+check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
+``shift`` makes prefill write every block into its neighbour's slot.
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ from collections import OrderedDict
 import msgspec
 import numpy as np
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY, ReuseOffers
 from connector.stages import DecodeKvStamps, KvFailure, StampSender
 
 logger = logging.getLogger("vllm.rendezvous")
@@ -41,7 +51,7 @@ logger = logging.getLogger("vllm.rendezvous")
 KV_SUMS_NOTIF = b"rdv-kv-sums:"
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift")
+FAULTS = ("flip", "shift", "flip-history")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
 
 
@@ -76,13 +86,15 @@ def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
 class KvChecksums:
     """Mixin for the push worker (put before vLLM's class); both roles."""
 
+    _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
+
     def _kv_regions(self):
         """Per descriptor region: a [num_blocks, block bytes] uint8 view of the memory NIXL transfers;
         None where descriptors do not pair one to one (see the module docstring)."""
         cached = self.__dict__.get("_rendezvous_kv_regions", False)
         if cached is not False:
             return cached
-        if not getattr(self, "_kv_checksums", True):  # handoff.kv_checksums: false
+        if not self._kv_checksums:
             self.__dict__["_rendezvous_kv_regions"] = None
             return None
         regions = None
@@ -165,9 +177,50 @@ class KvChecksums:
         payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
         self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
 
+    # ---------------------------------------------------------------- decode: sums of the history it offers
+    def _do_send_reg_notif(self, req_id, reg_data):
+        offer = reg_data.get(OFFER_KEY)
+        if offer and offer.get("block_ids"):
+            try:
+                ids = self._logical_to_kernel_block_ids((list(offer["block_ids"]),),
+                                                        self._physical_blocks_per_logical_kv_block)[0]
+                sums = self.kv_sums(ids)
+                if sums is not None:
+                    offer["sums"], offer["sum_regions"] = sums.astype(np.int64).tobytes(), sums.shape[0]
+            except Exception:  # the offer stands without its sums
+                logger.exception("sums of %s's history offer not computed", req_id)
+        return super()._do_send_reg_notif(req_id, reg_data)
+
+    # ---------------------------------------------------------------- prefill: keep the offer's sums
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        try:
+            registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
+            offer = registration.get(OFFER_KEY) or {}
+            if offer.get("sums") and registration.get("decode_tp_size") == self.world_size:
+                sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1)
+                self._expected()[_history_key(registration["request_id"])] = (list(offer["block_ids"]), sums)
+        except Exception:  # vLLM's handler below says what is wrong with the payload
+            pass
+        super()._handle_push_reg_notif(notif)
+
+    def build_connector_worker_meta(self):
+        meta = super().build_connector_worker_meta()
+        mismatched = self.__dict__.pop("_rendezvous_history_mismatched", set())
+        if not mismatched:
+            return meta
+        meta = meta if isinstance(meta, ReuseOffers) else ReuseOffers()
+        meta.mismatched |= mismatched
+        return meta
+
+    def _expected(self) -> OrderedDict:
+        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
+        while len(expected) > _EXPECTED_KEPT:
+            expected.popitem(last=False)
+        return expected
+
     # ---------------------------------------------------------------- decode: keep the sums, check what landed
     def _get_new_notifs(self) -> set[str]:
-        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
+        expected = self._expected()
         kept = []
         while True:
             try:
@@ -183,8 +236,6 @@ class KvChecksums:
                 logger.warning("malformed KV sums notification dropped")
                 continue
             expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
-            while len(expected) > _EXPECTED_KEPT:
-                expected.popitem(last=False)
         for notif in kept:
             self._pending_completion_notifs.put(notif)
         return super()._get_new_notifs()
@@ -193,26 +244,56 @@ class KvChecksums:
         done = super()._pop_done_transfers(transfers)
         if transfers is not getattr(self, "_recving_transfers", None) or not done:
             return done
-        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
         for req_id in list(done):
-            sums, meta = expected.pop(req_id, None), self._recving_metadata.get(req_id)
-            if sums is None or meta is None or len(meta.local_physical_block_ids) != 1:
-                continue  # not sent (a layout sums do not cover), or not ours to check
-            blocks = list(meta.local_physical_block_ids[0])
-            if injected_fault() == "flip" and blocks and self._kv_regions():
-                self._kv_regions()[0][blocks[0], 0] ^= 0xFF
-                logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
-            got = self.kv_sums(blocks)
-            if got is None:
+            meta = self._recving_metadata.get(req_id)
+            if meta is None or len(meta.local_physical_block_ids) != 1:
                 continue
-            wrong = mismatches(sums, got)
-            if not wrong:
+            remote = getattr(meta, "remote", None)
+            history = remote is not None and remote.request_id == HISTORY_READ_ID
+            checked = self._landed_right(req_id, meta, history)
+            if checked is not False:
                 continue
-            logger.warning("KV of %s landed wrong: %d of %d (layer region, block) sums differ, first %s; "
-                           "decode recomputes the prompt", req_id, len(wrong), sums.size, wrong[:3])
             done.discard(req_id)
             self._invalid_block_ids.put(set(meta.local_block_ids[0]))
             self._failed_recv_reqs.put(req_id)
-            self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(
-                DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
+            if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
+                self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
+            else:  # decode: its replica counts the request (prefill="kv_mismatch")
+                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(
+                    DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
         return done
+
+    def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
+        """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
+        blocks = list(meta.local_physical_block_ids[0])
+        if history:
+            offered = self._expected().pop(_history_key(req_id), None)
+            if offered is None:
+                return None
+            column = {block: i for i, block in enumerate(offered[0])}
+            read = list(meta.remote.block_ids[0])
+            if len(read) != len(blocks) or any(b not in column for b in read):
+                return None  # not the one-to-one READ of offered blocks the sums describe
+            expected = offered[1][:, [column[b] for b in read]]
+        else:
+            expected = self._expected().pop(req_id, None)
+            if expected is None:
+                return None
+        fault = injected_fault()
+        if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
+            self._kv_regions()[0][blocks[0], 0] ^= 0xFF
+            logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
+        got = self.kv_sums(blocks)
+        if got is None:
+            return None
+        wrong = mismatches(expected, got)
+        if wrong:
+            logger.warning("KV of %s landed wrong%s: %d of %d (layer region, block) sums differ, first %s; %s",
+                           req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
+                           wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
+        return not wrong
+
+
+def _history_key(request_id: str) -> str:
+    """Decode's offer and prefill's READ of the same turn share the base request id."""
+    return "history:" + get_base_request_id(request_id)

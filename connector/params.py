@@ -83,6 +83,7 @@ class ReuseReason(str, Enum):
     NO_MATCH = "no_match"  # the offered history does not match the prompt's first block
     THRESHOLD = "threshold"  # fewer matching tokens than kv_recompute_threshold: recomputed
     UNSUPPORTED = "unsupported"  # this engine cannot reuse (several KV cache groups)
+    MISMATCH = "kv_mismatch"  # READ back, but not the bytes decode holds (connector.kv_checksum): recomputed
 
 
 @dataclass(frozen=True)

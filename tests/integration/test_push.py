@@ -676,6 +676,25 @@ def test_interleaved_conversations_never_mix_their_kv(client, reference):
     b.assert_identical(reference)
 
 
+def test_a_history_read_back_that_lands_wrong_is_recomputed_and_reported(client, reference):
+    """connector.kv_checksum, D->P: decode offers the history with its sums; prefill's READ lands with a
+    byte flipped (fault injection), so prefill recomputes the history instead of using it. The answer is
+    still identical to one engine's, and the turn is counted as history="kv_mismatch"."""
+    conversation = Conversation("corrupted-history")
+    conversation.say(client, user_text(1, 45))
+    before = settled_ours(client)
+    client.kv_fault.write_text("flip-history")
+    try:
+        conversation.say(client, user_text(2, 10))
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    conversation.assert_identical(reference)
+    after = wait_ours(client, lambda c: _counted(c, before, "conversation_turns", "kv_mismatch") >= 1)
+    assert _counted(after, before, "conversation_turns", "kv_mismatch") == 1, after
+    assert _counted(after, before, "conversation_turns", "reused") == 0, after
+
+
 def test_an_edited_history_reuses_only_the_prefix_that_still_matches(client, reference):
     conversation = Conversation("edited")
     conversation.say(client, user_text(1, 45))

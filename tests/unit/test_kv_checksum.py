@@ -10,9 +10,11 @@ from __future__ import annotations
 import queue
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import pytest
 import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
 from connector import kv_checksum
 from connector.kv_checksum import KV_SUMS_NOTIF, KvChecksums, mismatches
@@ -47,6 +49,8 @@ class Upstream:
         info = SimpleNamespace(remote_tp_size=1, remote_block_size=16, remote_physical_blocks_per_logical=1)
         self.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info, block_size_ratio=lambda size: 1)
         self.peer: Upstream | None = None
+        self.registrations_sent: list[bytes] = []
+        self.registrations_seen: list[bytes] = []
 
     def _xfer_blocks_for_req(self, req_id, meta):  # the WRITE: region by region, block by block
         for mine, theirs in zip(self.device_kv_caches.values(), self.peer.device_kv_caches.values()):
@@ -56,6 +60,18 @@ class Upstream:
 
     def _get_new_notifs(self):
         return set()
+
+    def _logical_to_kernel_block_ids(self, block_ids, physical_per_logical):
+        return block_ids
+
+    def _do_send_reg_notif(self, req_id, reg_data):
+        self.registrations_sent.append(PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data))
+
+    def _handle_push_reg_notif(self, notif):
+        self.registrations_seen.append(notif)
+
+    def build_connector_worker_meta(self):
+        return None
 
     def _pop_done_transfers(self, transfers):
         done = set(transfers)
@@ -83,7 +99,7 @@ def _push(prefill, decode, request_id="rdv-1", local=(1, 2, 3, 4), remote=(6, 5,
         decode._pending_completion_notifs.put(notif)
     prefill.notifs_sent.clear()
     decode._recving_metadata[request_id] = SimpleNamespace(local_block_ids=[list(remote)],
-                                                           local_physical_block_ids=(list(remote),))
+                                                           local_physical_block_ids=(list(remote),), remote=None)
     decode._recving_transfers[request_id] = []
     decode._get_new_notifs()
     done = decode._pop_done_transfers(decode._recving_transfers)
@@ -166,3 +182,36 @@ def test_the_sums_notification_is_small():
     prefill._send_kv_sums(meta)
     (_, notif), = prefill.notifs_sent
     assert notif.startswith(KV_SUMS_NOTIF) and len(notif) < 64 + LAYERS * 2 * 3 * 8
+
+
+@pytest.mark.parametrize("fault, mismatched", [("", set()), ("flip-history", {"chatcmpl-rdv-5-9f8e7d6c"})])
+def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, mismatched, tmp_path, monkeypatch):
+    """D->P: decode's registration carries the sums of the history blocks it offers; prefill checks the
+    blocks its READ landed (paired one to one with the offered ones it read), and a mismatch fails the
+    READ (prefill recomputes) and is handed to the scheduler for the turn's report."""
+    (tmp_path / "fault").write_text(fault)
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY
+
+    decode, prefill = Worker("decode", seed=5), Worker("prefill", seed=6)
+    offered = [3, 1, 4]
+    decode._do_send_reg_notif("chatcmpl-rdv-5-0a1b2c3d", {"request_id": "chatcmpl-rdv-5-0a1b2c3d", "decode_tp_size": 1,
+                                                   OFFER_KEY: {"block_ids": offered, "num_tokens": 48}})
+    (registration,) = decode.registrations_sent
+    prefill._handle_push_reg_notif(registration)
+    assert prefill.registrations_seen == [registration]  # vLLM's handler still gets it
+    # The READ of the first two offered blocks into prefill's blocks 6 and 7, as vLLM's pull READ copies them.
+    for mine, theirs in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+        mine[:, [6, 7]] = theirs[:, [3, 1]]
+    rid = "chatcmpl-rdv-5-9f8e7d6c"
+    prefill._recving_metadata[rid] = SimpleNamespace(
+        local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
+        remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
+    prefill._recving_transfers[rid] = []
+    done = prefill._pop_done_transfers(prefill._recving_transfers)
+    assert done == ({rid} - mismatched)
+    assert [prefill._failed_recv_reqs.get_nowait() for _ in range(prefill._failed_recv_reqs.qsize())] == sorted(mismatched)
+    meta = prefill.build_connector_worker_meta()
+    assert (meta.mismatched if meta else set()) == mismatched
+    assert not prefill.__dict__["_rendezvous_expected_sums"]  # the offer's sums were found, and used once

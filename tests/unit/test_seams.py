@@ -208,7 +208,11 @@ def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
     assert finished.index("self._get_new_notifs()") < finished.index("self._pop_done_transfers(self._recving_transfers)")
     # Push: a completion notification makes an empty transfer entry, popped as done.
     assert "self._recving_transfers.setdefault(req_id, [])" in inspect.getsource(push_worker.NixlPushConnectorWorker._get_new_notifs)
-    for method in ("_xfer_blocks_for_req", "_get_new_notifs", "_pop_done_transfers"):
+    # D->P: the registration decode sends carries the offer our scheduler added (connector.push_reuse).
+    assert "notif_msg = PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data)" in inspect.getsource(
+        push_worker.NixlPushConnectorWorker._do_send_reg_notif)
+    for method in ("_xfer_blocks_for_req", "_get_new_notifs", "_pop_done_transfers", "_do_send_reg_notif",
+                   "_handle_push_reg_notif"):
         assert list(inspect.signature(getattr(KvChecksums, method)).parameters) == list(
             inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
 
