@@ -89,7 +89,7 @@ class KvChecksums:
     _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
 
     def _kv_regions(self):
-        """Per descriptor region: a [num_blocks, block bytes] uint8 view of the memory NIXL transfers;
+        """Per descriptor region: a [num_blocks, block bytes / 8] int64 view of the memory NIXL transfers;
         None where descriptors do not pair one to one (see the module docstring)."""
         cached = self.__dict__.get("_rendezvous_kv_regions", False)
         if cached is not False:
@@ -124,26 +124,31 @@ class KvChecksums:
             rows = blocks_data[k * num_blocks:(k + 1) * num_blocks]
             base, length = int(rows[0][0]), int(rows[0][1])
             stride = int(rows[1][0]) - base
-            if length % 8 or int(rows[-1][0]) != base + (num_blocks - 1) * stride:
+            if length % 8 or stride % 8 or int(rows[-1][0]) != base + (num_blocks - 1) * stride:
                 return None
             owner = [(ptr, s, d) for ptr, (s, d) in storages.items() if ptr <= base and base + (num_blocks - 1) * stride
                      + length <= ptr + s.nbytes()]
             if len(owner) != 1:
                 return None
             ptr, storage, device = owner[0]
-            flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),), (1,))
-            regions.append(flat.as_strided((num_blocks, length), (stride, 1), base - ptr))
+            if (base - ptr) % 8:
+                return None
+            flat = torch.empty(0, dtype=torch.int64, device=device).set_(storage, 0, (storage.nbytes() // 8,), (1,))
+            regions.append(flat.as_strided((num_blocks, length // 8), (stride // 8, 1), (base - ptr) // 8))
         return regions
 
     def kv_sums(self, block_ids) -> np.ndarray | None:
-        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered."""
+        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered.
+        Summed in place, a run of consecutive blocks at a time (a request's blocks mostly are): the
+        bytes are read once and never copied."""
         import torch
 
         regions = self._kv_regions()
         if regions is None:
             return None
-        index = torch.as_tensor(list(block_ids), dtype=torch.long, device=regions[0].device)
-        return torch.stack([region[index].view(torch.int64).sum(dim=1) for region in regions]).cpu().numpy()
+        runs = _runs(list(block_ids))
+        return torch.stack([torch.cat([region[start:start + n].sum(dim=1) for start, n in runs])
+                            for region in regions]).cpu().numpy()
 
     # ---------------------------------------------------------------- prefill: sums, then the WRITE
     def _xfer_blocks_for_req(self, req_id, meta):
@@ -292,6 +297,17 @@ class KvChecksums:
                            req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
                            wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
         return not wrong
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive ids, in order: [4, 5, 6, 2, 3] -> [(4, 3), (2, 2)]."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
 
 
 def _history_key(request_id: str) -> str:

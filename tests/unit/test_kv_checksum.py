@@ -120,6 +120,23 @@ def test_mismatches_name_each_region_and_block_that_differs(expected, got, wrong
     assert mismatches(expected, got) == wrong
 
 
+@pytest.mark.parametrize("ids, runs", [([], []), ([4, 5, 6, 2, 3], [(4, 3), (2, 2)]), ([7, 6, 5], [(7, 1), (6, 1), (5, 1)])])
+def test_blocks_are_summed_a_run_of_consecutive_ids_at_a_time(ids, runs):
+    from connector.kv_checksum import _runs
+
+    assert _runs(ids) == runs
+
+
+def test_the_sums_are_of_each_blocks_bytes_in_the_order_asked():
+    worker = Worker("w", seed=9)
+    ids = [5, 6, 7, 0, 2]
+    sums = worker.kv_sums(ids)
+    caches = list(worker.device_kv_caches.values())
+    for region in range(worker.num_regions):
+        cache, half = caches[region // 2], region % 2
+        assert list(sums[region]) == [int(cache[half, b].contiguous().view(torch.int64).sum()) for b in ids]
+
+
 def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notifications():
     prefill, decode = _pair()
     decode._pending_completion_notifs.put(b"rdv-0:1")  # a completion of vLLM's: left for vLLM
