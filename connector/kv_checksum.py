@@ -203,7 +203,9 @@ class KvChecksums:
             offer = registration.get(OFFER_KEY) or {}
             if offer.get("sums") and registration.get("decode_tp_size") == self.world_size:
                 sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1)
-                self._expected()[_history_key(registration["request_id"])] = (list(offer["block_ids"]), sums)
+                # Written here (the writer thread), popped by the main thread: single dict operations only.
+                self._expected("_rendezvous_history_sums")[_history_key(registration["request_id"])] = (
+                    list(offer["block_ids"]), sums)
         except Exception:  # vLLM's handler below says what is wrong with the payload
             pass
         super()._handle_push_reg_notif(notif)
@@ -217,8 +219,9 @@ class KvChecksums:
         meta.mismatched |= mismatched
         return meta
 
-    def _expected(self) -> OrderedDict:
-        expected = self.__dict__.setdefault("_rendezvous_expected_sums", OrderedDict())
+    def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
+        """Sums awaiting their receive, by request (pushes) or turn (history reads); the oldest dropped."""
+        expected = self.__dict__.setdefault(name, OrderedDict())
         while len(expected) > _EXPECTED_KEPT:
             expected.popitem(last=False)
         return expected
@@ -272,7 +275,7 @@ class KvChecksums:
         """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
         blocks = list(meta.local_physical_block_ids[0])
         if history:
-            offered = self._expected().pop(_history_key(req_id), None)
+            offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
             if offered is None:
                 return None
             column = {block: i for i, block in enumerate(offered[0])}

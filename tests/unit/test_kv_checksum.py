@@ -231,4 +231,4 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     assert [prefill._failed_recv_reqs.get_nowait() for _ in range(prefill._failed_recv_reqs.qsize())] == sorted(mismatched)
     meta = prefill.build_connector_worker_meta()
     assert (meta.mismatched if meta else set()) == mismatched
-    assert not prefill.__dict__["_rendezvous_expected_sums"]  # the offer's sums were found, and used once
+    assert not prefill.__dict__["_rendezvous_history_sums"]  # the offer's sums were found, and used once
