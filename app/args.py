@@ -148,13 +148,33 @@ class IngressArgs(_Strict):
         128, ge=1, description="Generation requests (completions, chat) in flight per ingress replica; beyond this "
         "the client gets 429 with Retry-After at once. Must stay below max_ongoing_requests."
     )
-    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429.")
+    ttft_slo_s: float | None = Field(
+        30.0, gt=0, description="Time to first byte (a stream's first token, a whole answer otherwise) the ingress "
+        "admits by: a request whose estimated TTFB (app/admission.py: learned from this replica's recent answers and "
+        "the work admitted ahead) is beyond it gets 429 with a Retry-After from the estimate. null: max_in_flight alone. "
+        "Set it to your SLO; 30 s is a common client timeout."
+    )
+    queue_deadline_s: float | None = Field(
+        60.0, gt=0, description="A streamed request with no first chunk this long after it was admitted is answered 503 "
+        "with Retry-After and aborted on every engine. Streams only: a whole (non-streamed) answer shows no first token "
+        "to the ingress, and its generation may rightly take longer. null: no deadline."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 without an estimate, and of a 503 at the queue deadline.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
     api_key_env: str | None = Field(
         None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", description="Name of an environment variable holding the API key; "
         "when set, every route but /health and /ready needs `Authorization: Bearer <key>` (401 otherwise). Off by default; the k8s "
         "configs set RENDEZVOUS_API_KEY, filled from a Secret."
     )
+
+    @model_validator(mode="after")
+    def _deadline_after_slo(self) -> "IngressArgs":
+        if self.ttft_slo_s is not None and self.queue_deadline_s is not None and self.queue_deadline_s < self.ttft_slo_s:
+            raise ValueError(
+                f"queue_deadline_s ({self.queue_deadline_s}) is below ttft_slo_s ({self.ttft_slo_s}): requests admitted "
+                "as within the SLO would be given up on before it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _admission_below_serve_limit(self) -> "IngressArgs":
@@ -211,6 +231,11 @@ class HandoffArgs(_Strict):
         60.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
         "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
         f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
+    )
+    kv_checksums: bool = Field(
+        True, description="Push: prefill sums every block it WRITEs (per layer) and decode checks what landed before "
+        "using it; KV that landed wrong is recomputed by decode (counted as prefill path `kv_mismatch`). "
+        "connector/kv_checksum.py; its cost is in docs/benchmarks.md."
     )
 
     @model_validator(mode="after")

@@ -18,7 +18,10 @@ class DecodeMetrics:
         tags = ("mode", "prefill", "stream")
         self._requests = Counter(
             "rendezvous_requests",
-            description="Requests served, by transfer mode, prefill path (remote = disaggregated, local = short prompt) and streaming.",
+            description="Requests served, by transfer mode, prefill path and streaming. prefill: remote (disaggregated), "
+            "local (prefilled by decode: a short prompt), fallback (the prefill leg failed or was late: decode prefilled "
+            "it), kv_deadline (push: no WRITE before the KV deadline), kv_failed (the transfer failed) or kv_mismatch (push: "
+            "the KV landed with bytes other than prefill's): for these three decode recomputed the prompt.",
             tag_keys=tags,
         )
         self._first_chunk = Histogram(
@@ -51,7 +54,8 @@ class DecodeMetrics:
             "rendezvous_conversation_turns",
             description="Conversation turns by what happened to their history: reused (prefill read it back from "
             "decode), local (decode prefilled the turn from its own cache), or why not: first_turn, expired, "
-            "replica_gone, threshold, no_match, no_offer, unsupported (pull), fallback, unreported.",
+            "replica_gone, threshold, no_match, no_offer, unsupported (pull), fallback, unreported, kv_mismatch (read "
+            "back, but its checksums differed: prefill recomputed it).",
             tag_keys=("mode", "history"),
         )
         self._history_tokens = Counter(

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus health and readiness routes
 (``app.readiness``: a quick 503 for generation requests while the app cannot answer), OpenAI-shaped
-bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control:
-a bounded number of generation requests in flight per ingress replica, beyond which the
-client gets a quick 429 with ``Retry-After`` instead of a queue that grows without bound,
-a request size limit (413), late binding of the decode replica in pull mode
+bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control
+(``app.admission``: by expected time to first byte against ``ingress.ttft_slo_s``, under a hard
+``max_in_flight``; a quick 429 with ``Retry-After`` instead of a queue that grows without bound),
+a queue deadline for streams (503 and aborted on every engine), a request size limit (413), late binding of the decode replica in pull mode
 (``app.late_binding``), one retry of a request whose decode replica died before its
 first chunk, an error event (not a cut connection) ending a stream that failed after it
 started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
@@ -15,23 +15,26 @@ field; the header alone works too."""
 
 from __future__ import annotations
 
-import functools
+import asyncio
+import contextvars
 import hmac
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
-from ray.serve.metrics import Counter, Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
+from app import ingress_metrics as metrics
+from app.admission import Admission, Decision, Verdict
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
@@ -69,31 +72,14 @@ def openai_error(status: int, message: str, *, param: str | None = None, headers
     )
 
 
-class Admission:
-    """Generation requests in flight on this ingress replica, at most ``limit``. One event
-    loop runs the ingress, so plain counting is safe."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_flight = 0
-
-    def try_enter(self) -> bool:
-        if self.in_flight >= self.limit:
-            return False
-        self.in_flight += 1
-        return True
-
-    def leave(self) -> None:
-        self.in_flight -= 1
-
-
 def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None = None) -> FastAPI:
     """The ingress's FastAPI app; with ``readiness`` (the disaggregated app's) also
     ``/ready``, and a quick 503 for generation requests while the app cannot answer."""
     args = args or IngressArgs()
-    retry_after_s, max_body_bytes, api_key_env = args.retry_after_s, args.max_body_bytes, args.api_key_env
+    max_body_bytes, api_key_env = args.max_body_bytes, args.api_key_env
     app = init()
-    admission = Admission(args.max_in_flight)
+    admission = Admission(args.max_in_flight, args.ttft_slo_s, args.retry_after_s)
+    gauge_refresh: list[asyncio.Task] = []  # started with the first generation request, on the serving loop
 
     if readiness is not None:
         @app.get("/ready")
@@ -111,35 +97,45 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             return await call_next(request)
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body_bytes:
-            _rejected().inc(tags={"reason": "too_large"})
+            metrics.rejected().inc(tags={"reason": "too_large"})
             return openai_error(413, f"request body of {size} bytes exceeds the limit of {max_body_bytes}")
         if readiness is not None and not (state := await readiness.current()).ready:
-            _rejected().inc(tags={"reason": "not_ready"})
+            metrics.rejected().inc(tags={"reason": "not_ready"})
             return openai_error(
                 503, f"not ready yet ({state.reason}); retry after {RETRY_AFTER_S} s, or wait for GET /ready to answer 200",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if not gauge_refresh:
+            gauge_refresh.append(asyncio.get_running_loop().create_task(metrics.refresh_admission_gauges(admission)))
         # Admission before the body is read and validated: under overload a rejection must cost nearly nothing.
-        if not admission.try_enter():
-            _rejected().inc(tags={"reason": "busy"})
-            return openai_error(
-                429,
-                f"server busy: {admission.limit} requests in flight on this replica; retry after {retry_after_s} s",
-                headers={"Retry-After": str(retry_after_s)},
-            )
-        request.state.rendezvous_arrived = time.time()  # the request's timeline starts here (app.timeline)
+        arrived = time.time()
+        decision, ticket = admission.try_enter(int(size) if size is not None and size.isdigit() else 0, arrived)
+        metrics.admission_gauges(admission)
+        if ticket is None:
+            metrics.rejected().inc(tags={"reason": decision.verdict.value})
+            return openai_error(429, _busy_message(decision, admission), headers={"Retry-After": str(decision.retry_after_s)})
+        metrics.admitted().inc(tags={"reason": decision.verdict.value})
+        request.state.rendezvous_arrived = arrived  # the request's timeline starts here (app.timeline)
+        if args.queue_deadline_s is not None:
+            request.state.rendezvous_deadline = QueueDeadline(arrived + args.queue_deadline_s, args.queue_deadline_s,
+                                                              args.retry_after_s)
         try:
             problem = await _prepare_body(request, max_body_bytes)
             if problem is not None:
-                admission.leave()
+                admission.leave(ticket)
                 return problem
             response = await call_next(request)
         except BaseException:
-            admission.leave()
+            admission.leave(ticket)
             raise
+        # Its first byte (a stream's first chunk: upstream returns the response once it has it), or
+        # given up on at the queue deadline: both tell the model what waiting costs now.
+        if response.status_code == 200 or getattr(request.state, "rendezvous_expired", False):
+            admission.answered(ticket, time.time())
         body = getattr(response, "body_iterator", None)
         if body is None:
-            admission.leave()
+            admission.leave(ticket)
+            metrics.admission_gauges(admission)
             return response
 
         async def body_then_leave():  # a stream is in flight until its last chunk (or a hang-up)
@@ -147,7 +143,8 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
                 async for chunk in body:
                     yield chunk
             finally:
-                admission.leave()
+                admission.leave(ticket)
+                metrics.admission_gauges(admission)
 
         response.body_iterator = body_then_leave()
         return response
@@ -163,7 +160,7 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
                 return openai_error(503, f"authentication is on (ingress.api_key_env) but {api_key_env} is not set here")
             scheme, _, token = request.headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-                _rejected().inc(tags={"reason": "unauthorized"})
+                metrics.rejected().inc(tags={"reason": "unauthorized"})
                 return openai_error(
                     401, "missing or wrong API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
                 )
@@ -173,12 +170,31 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
     return app
 
 
+def _busy_message(decision: Decision, admission: Admission) -> str:
+    retry = f"retry after {decision.retry_after_s} s"
+    if decision.verdict is Verdict.OVER_SLO:
+        return (f"server busy: the expected time to first token here is {decision.estimate_s:.1f} s, beyond this "
+                f"server's {admission.ttft_slo_s:g} s target; {retry}")
+    if decision.verdict is Verdict.LIMIT:
+        return f"server busy: {admission.in_flight} requests in flight, the limit while latency is being learned; {retry}"
+    return f"server busy: {admission.max_in_flight} requests in flight on this replica; {retry}"
+
+
+@dataclass(frozen=True)
+class QueueDeadline:
+    """On ``request.state``: when an admitted stream with no first chunk is given up on."""
+
+    at: float
+    seconds: float
+    retry_after_s: int
+
+
 async def _prepare_body(request: Request, max_body_bytes: int) -> Response | None:
     """Check a generation request's body before the endpoint parses it, and move a body
     ``conversation_id`` into the header; an error response if the body cannot be served."""
     body = await request.body()
     if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
-        _rejected().inc(tags={"reason": "too_large"})
+        metrics.rejected().inc(tags={"reason": "too_large"})
         return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
     try:
         payload = json.loads(body)
@@ -219,42 +235,10 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
     return None
 
 
-@functools.cache
-def _rejected() -> Counter:
-    return Counter(
-        "rendezvous_ingress_rejected",
-        description="Requests the ingress turned away before they reached a model, by reason: busy (429, max_in_flight "
-        "reached), not_ready (503, no decode replica can answer: app/readiness.py), too_large (413), unauthorized (401).",
-        tag_keys=("reason",),
-    )
-
-
-@functools.cache
-def _decode_lost() -> Counter:
-    return Counter(
-        "rendezvous_decode_lost",
-        description="Requests whose decode replica died or became unreachable, by when: before_first_chunk (sent "
-        "through the router once more) or mid_stream (the stream ended with an error event).",
-        tag_keys=("when",),
-    )
-
-
-@functools.cache
-def _stage_seconds() -> Histogram:
-    return Histogram(
-        "rendezvous_stage_seconds",
-        description="Seconds each stage of a request took, by transfer mode and stage (app/timeline.py): route "
-        "(decode_pick + decode_hop), bind, prefill_pick, prefill_hop, prefill_queue, prefill_compute, register, handoff "
-        "(KV to decode and its first step: transfer + first_step), local_prefill, deliver (first token to the client), ttft.",
-        boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64],
-        tag_keys=("mode", "stage"),
-    )
-
-
 def record_timeline(timeline: RequestTimeline) -> None:
     """Export one finished request's stage durations and log its timeline as one line."""
     for stage, seconds in timeline.stages().items():
-        _stage_seconds().observe(seconds, tags={"mode": timeline.mode, "stage": stage})
+        metrics.stage_seconds().observe(seconds, tags={"mode": timeline.mode, "stage": stage})
     logger.info("%s", timeline.to_log_line())
 
 
@@ -286,7 +270,7 @@ async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: s
             yield chunk
     except Exception as exc:  # noqa: BLE001 - the status line is long gone: tell the client in-band
         logger.warning("stream of %s failed after it started: %r", path, exc)
-        _decode_lost().inc(tags={"when": "mid_stream"})
+        metrics.decode_lost().inc(tags={"when": "mid_stream"})
         error = json.loads(openai_error(503, f"the stream failed after it started ({type(exc).__name__}); retry the request").body)
         yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n"
 
@@ -314,7 +298,29 @@ class Ingress(OpenAiIngress):
             async for response in timelines_recorded(responses, arrived):
                 yield response
 
+    def _get_configured_serve_handle(self, model_id: str):
+        return _CallsKept(super()._get_configured_serve_handle(model_id))
+
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
+        deadline = getattr(getattr(raw_request, "state", None), "rendezvous_deadline", None)
+        if deadline is None or not getattr(body, "stream", False):
+            return await self._answer(body, call_method, raw_request)
+        calls = _CALLS.set([])
+        try:
+            return await asyncio.wait_for(self._answer(body, call_method, raw_request), max(0.0, deadline.at - time.time()))
+        except asyncio.TimeoutError:
+            for call in _CALLS.get():
+                call.cancel()  # the decode replica's request is cancelled, which aborts its engines' legs
+            raw_request.state.rendezvous_expired = True
+            metrics.expired().inc()
+            logger.warning("%s: no first chunk %g s after admission: answered 503 and aborted", call_method, deadline.seconds)
+            return openai_error(
+                503, f"the request did not start within the server's queue deadline ({deadline.seconds:g} s) and was "
+                f"aborted; retry after {deadline.retry_after_s} s", headers={"Retry-After": str(deadline.retry_after_s)})
+        finally:
+            _CALLS.reset(calls)
+
+    async def _answer(self, body, call_method: str, raw_request: Request | None) -> Response:
         try:
             response = await super()._process_llm_request(body, call_method, raw_request)
         except RayActorError as exc:
@@ -322,12 +328,42 @@ class Ingress(OpenAiIngress):
             # reached the client, so the request goes through the router once more, which
             # no longer offers that replica.
             logger.warning("%s: decode replica lost before the first chunk (%r); retrying once", call_method, exc)
-            _decode_lost().inc(tags={"when": "before_first_chunk"})
+            metrics.decode_lost().inc(tags={"when": "before_first_chunk"})
             response = await super()._process_llm_request(body, call_method, raw_request)
         # Upstream streams the replica's chunks with no handling of a failure mid-stream.
         if isinstance(response, StreamingResponse):
             response.body_iterator = ending_with_an_error_event(response.body_iterator, call_method)
         return response
+
+
+# The decode deployment's calls made for the current request (only where a deadline may cancel them).
+_CALLS: contextvars.ContextVar[list | None] = contextvars.ContextVar("rendezvous_calls", default=None)
+
+
+class _CallsKept:
+    """A Serve handle whose calls (``handle.chat.remote(...)``) are kept in ``_CALLS`` when it is set,
+    so that a queue deadline can cancel them (the HTTP request itself goes on, with a 503)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def options(self, **kwargs) -> "_CallsKept":
+        return _CallsKept(self._handle.options(**kwargs))
+
+    def __getattr__(self, method: str):
+        target = getattr(self._handle, method)
+        return _KeptMethod(target) if hasattr(target, "remote") else target
+
+
+class _KeptMethod:
+    def __init__(self, method):
+        self._method = method
+
+    def remote(self, *args, **kwargs):
+        call = self._method.remote(*args, **kwargs)
+        if (calls := _CALLS.get()) is not None:
+            calls.append(call)
+        return call
 
 
 ENDPOINTS = {**DEFAULT_ENDPOINTS, "health": lambda app: app.get("/health")}

@@ -14,6 +14,7 @@ from connector.params import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     DECODER_BLOCKS_TTL_KEY,
+    KV_CHECKSUMS_KEY,
     KV_TIMEOUT_KEY,
     RECOMPUTE_THRESHOLD_KEY,
     TransferMode,
@@ -43,6 +44,7 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
     extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
     if args.mode is TransferMode.PUSH:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
+        extra[KV_CHECKSUMS_KEY] = args.handoff.kv_checksums
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     elif args.upstream_pull_history:
         extra[BIDIRECTIONAL_KEY] = True

@@ -5,6 +5,8 @@ proxies bound the HTTP port, Ray's with SO_REUSEPORT) while its engines died in 
 NIXL listener threads and its replicas stayed "initializing" with nothing said. The ports
 come from the config (one home: ``http_options`` and ``connector.ports.PortPlan`` through
 ``app.args``); who holds a busy one from ``connector.port_check``.
+
+Also: KV fault injection (``connector.kv_checksum``) set outside a test or bench run refuses.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from urllib.parse import urlsplit
 
 from app.args import AppArgs
 from app.procs import base_url_of
+from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from connector.port_check import holder, is_free
 from connector.ports import Role
 
@@ -53,3 +56,12 @@ def refusal(config_path: str, busy: list[str]) -> str:
         "  rendezvous process on this host), or give this config other ports: http_options.port and",
         "  args.nixl.prefill_port_base / decode_port_base.",
     ])
+
+
+def fault_injection_refusal(env: dict[str, str]) -> str | None:
+    """Why not to start: KV fault injection (connector.kv_checksum) asked for outside a test or bench run."""
+    if env.get(FAULT_FILE_ENV) and env.get(FAULTS_ALLOWED_ENV) != "1":
+        return (f"[rendezvous] refusing to start: {FAULT_FILE_ENV} is set, which makes engines corrupt KV on purpose. "
+                f"It is for tests and benchmarks only (they also set {FAULTS_ALLOWED_ENV}=1); unset it to serve.")
+    return None
+

@@ -157,7 +157,8 @@ class AppProcess:
     """``python -m app.run CONFIG`` (what ``make serve`` runs), or ``make serve`` itself,
     in its own process group."""
 
-    def __init__(self, config: str, log_dir: Path, *, how: str = "app.run", base_url: str = BASE_URL):
+    def __init__(self, config: str, log_dir: Path, *, how: str = "app.run", base_url: str = BASE_URL,
+                 env: dict[str, str] | None = None):
         self.config = config
         self.base_url = base_url
         self.command = {
@@ -166,7 +167,7 @@ class AppProcess:
             # Plain `serve run` inside the venv, without our wrapper's clean-up sweep.
             "serve": [str(Path(sys.executable).with_name("serve")), "run", config],
         }[how]
-        self.env = new_run_env()
+        self.env = {**new_run_env(), **(env or {})}  # env: extra variables for every process of the run
         self.run_id = self.env[MARKER]
         self.log_path = Path(log_dir) / f"{Path(config).stem}-{self.run_id[:8]}.log"
         self.proc: subprocess.Popen | None = None

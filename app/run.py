@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from app.preflight import busy_ports, refusal
+from app.preflight import busy_ports, fault_injection_refusal, refusal
 from app.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
 from app.readiness import GAVE_UP_TEXT
 
@@ -24,6 +24,9 @@ _STOP_GRACE_S = 90
 
 def main(argv: list[str]) -> int:
     config = argv[0] if argv else "configs/local-cpu.yaml"
+    if (refused := fault_injection_refusal(dict(os.environ))) is not None:
+        print(refused, file=sys.stderr, flush=True)
+        return 2
     # With RAY_ADDRESS, serve run deploys onto a running cluster whose proxy holds the HTTP
     # port already, and whose engines bind on its hosts: nothing here to check.
     busy = [] if os.environ.get("RAY_ADDRESS") else busy_ports(_read(config))

@@ -271,7 +271,13 @@ class DecodeServer(PDDecodeServer):
             self._tokens_in_flight -= cost
             self._metrics.load(self._ongoing, self._tokens_in_flight)
             if served.route is not Route.HANDED_OFF:  # the replica that decodes it counts it
-                self._metrics.finished(served.route.value, stream, first, time.monotonic() - started)
+                # A remote prefill whose KV did not land, or landed wrong, was recomputed here (kv_load_failure_policy).
+                failure = timeline.kv_failure if served.route is Route.REMOTE else None
+                prefilled_by = failure or served.route.value
+                if failure:
+                    logger.warning("request %s: its KV from prefill was not used (%s); decode recomputed the prompt",
+                                   request_id, failure)
+                self._metrics.finished(prefilled_by, stream, first, time.monotonic() - started)
                 moved = prefilled is not None and prefilled.entry_replica != self._replica_id
                 self._metrics.bound("late" if prefilled else "arrival", moved)
             if turn is not None:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.planner import Route
-from connector.stages import DecodeKvStamps, PrefillStages
+from connector.stages import DecodeKvStamps, KvFailure, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
 LOG_MARKER = "rendezvous_timeline "
@@ -117,6 +117,7 @@ class RequestTimeline:
     route: str  # app.planner.Route: remote | local | fallback
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
+    kv_failure: str | None = None  # connector.stages.KvFailure: the KV never landed, decode recomputed the prompt
 
     def stamp(self, name: str, at: float) -> None:
         self.stamps.setdefault(name, at)  # the first time counts
@@ -135,6 +136,9 @@ class RequestTimeline:
                             (KV_LANDED, stamps.landed)):
             if value is not None:
                 self.stamp(name, value)
+        # The worker's kv_mismatch and the scheduler's generic kv_failed report the same load: the specific one wins.
+        if stamps.failed and (self.kv_failure is None or stamps.failed == KvFailure.MISMATCH.value):
+            self.kv_failure = stamps.failed
 
     def stages(self) -> dict[str, float]:
         """Seconds per stage, for the stamps that exist (negative clock skew clamps to 0)."""

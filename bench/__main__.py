@@ -7,6 +7,7 @@
   soak            mixed traffic for a long while, replicas killed on a timer: nothing lost?
   skew            load-aware vs round-robin decode placement when every other request is long
   timeline        where each request's time to first token goes, stage by stage, push vs pull
+  overload        goodput at 1x, 2x and 4x of what the box sustains: fixed in-flight limit vs admission by TTFT
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def _timeline(a: argparse.Namespace) -> int:
     return 1 if any(s.timeline is None for s in samples) else 0
 
 
+def _overload(a: argparse.Namespace) -> int:
+    from bench.overload import OverloadLoad, run_overload
+
+    out = Path(a.out or f"results/overload-{time.strftime('%Y%m%d-%H%M%S')}")
+    load = OverloadLoad(slo_s=a.slo_s, queue_deadline_s=a.queue_deadline_s, client_timeout_s=a.client_timeout_s,
+                        seconds=a.seconds)
+    rows = run_overload(a.config, out, load)
+    return 1 if any(r["other_status"] for r in rows) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     from bench.profiles import PROFILES, Mode
 
@@ -148,6 +159,15 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output-len", type=int, default=8)
     s.add_argument("--out", help="report directory (default results/timeline-<time>)")
     s.set_defaults(func=_timeline)
+
+    s = sub.add_parser("overload", help="goodput at 1x/2x/4x of the sustainable rate: fixed limit vs admission by TTFT")
+    s.add_argument("--config", default="configs/local-cpu.yaml")
+    s.add_argument("--slo-s", type=float, default=10.0, help="TTFT target: the adaptive arm's ingress.ttft_slo_s and goodput's")
+    s.add_argument("--queue-deadline-s", type=float, default=20.0, help="the adaptive arm's ingress.queue_deadline_s")
+    s.add_argument("--client-timeout-s", type=float, default=30.0, help="the client gives up (and hangs up) after this")
+    s.add_argument("--seconds", type=float, default=60.0, help="offered load per factor")
+    s.add_argument("--out", help="report directory (default results/overload-<time>)")
+    s.set_defaults(func=_overload)
     return p
 
 

@@ -25,7 +25,8 @@ class Outcome:
     status: int  # 0: no HTTP answer (the error is in ``response``)
     latency_s: float  # request sent -> answer complete
     retry_after: str | None
-    response: Any  # the JSON body, or its text if it is not JSON
+    response: Any  # the JSON body, or its text if it is not JSON (a stream's events)
+    first_byte_s: float | None = None  # request sent -> the first byte of the body (a stream's first event)
 
 
 def body_for(template: dict, index: int) -> dict:
@@ -37,7 +38,11 @@ async def _one(session, path: str, body: dict, index: int) -> Outcome:
     started = time.monotonic()
     try:
         async with session.post(path, json=body) as r:
-            text = await r.text()
+            chunks, first = [], None
+            async for chunk in r.content.iter_any():
+                first = first if first is not None else time.monotonic() - started
+                chunks.append(chunk)
+            text = b"".join(chunks).decode(errors="replace")
             latency, status, retry_after = time.monotonic() - started, r.status, r.headers.get("retry-after")
     except Exception as exc:  # noqa: BLE001 - recorded, a lost request for the caller to judge
         return Outcome(index, 0, time.monotonic() - started, None, f"{type(exc).__name__}: {exc}")
@@ -45,7 +50,7 @@ async def _one(session, path: str, body: dict, index: int) -> Outcome:
         response = json.loads(text)
     except ValueError:
         response = text
-    return Outcome(index, status, latency, retry_after, response)
+    return Outcome(index, status, latency, retry_after, response, first)
 
 
 async def offer(

@@ -28,6 +28,9 @@ CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PU
 # kv_connector_extra_config key of our push connector: seconds decode waits for pushed KV
 # (see connector/vllm_connectors.py).
 KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
+# kv_connector_extra_config key of our push connector: sum pushed KV and check it on landing
+# (connector/kv_checksum.py); both roles must agree.
+KV_CHECKSUMS_KEY = "rendezvous_kv_checksums"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 
@@ -80,6 +83,7 @@ class ReuseReason(str, Enum):
     NO_MATCH = "no_match"  # the offered history does not match the prompt's first block
     THRESHOLD = "threshold"  # fewer matching tokens than kv_recompute_threshold: recomputed
     UNSUPPORTED = "unsupported"  # this engine cannot reuse (several KV cache groups)
+    MISMATCH = "kv_mismatch"  # READ back, but not the bytes decode holds (connector.kv_checksum): recomputed
 
 
 @dataclass(frozen=True)

@@ -58,11 +58,13 @@ class ReuseOffers(KVConnectorWorkerMetadata):
     """Prefill worker → scheduler: offers that arrived, by decode request id."""
 
     offers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Prefill requests whose history READ landed wrong (connector.kv_checksum): recomputed, reported so.
+    mismatched: set[str] = field(default_factory=set)
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "ReuseOffers":
         merged = dict(self.offers)
         merged.update(getattr(other, "offers", {}))
-        return ReuseOffers(merged)
+        return ReuseOffers(merged, self.mismatched | set(getattr(other, "mismatched", ())))
 
 
 class ReuseScheduler(DeadlineScheduler):
@@ -148,6 +150,8 @@ class ReuseScheduler(DeadlineScheduler):
         if isinstance(meta, ReuseOffers):
             for rid, offer in meta.offers.items():
                 self._offers[get_base_request_id(rid)] = (now, offer)
+            for rid in meta.mismatched & self._reports.keys():
+                self._reports[rid] = self._report(ReuseReason.MISMATCH, pushed=self._reports[rid].pushed_tokens)
         for key in [k for k, (t, _) in self._offers.items() if now - t > _OFFER_TTL_S]:
             del self._offers[key]
 

@@ -115,12 +115,15 @@ T_PD = _T + "test_pd_servers"
 T_CONCURRENT = _T + "test_ray_calls_the_concurrent_decode_we_override"
 T_STREAM = _T + "test_the_ingress_streams_through_the_method_we_wrap"
 T_RESPONSE = _T + "test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend"
+T_CHECKSUM = _T + "test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on"
+T_HANDLE = _T + "test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap"
 
 _CONNECTORS = ("connector/vllm_connectors.py",)
 _IDLE = ("connector/idle_wait.py",)
 _REUSE = ("connector/push_reuse.py",)
 _DEADLINE = ("connector/push_deadline.py",)
 _STAGES = ("connector/stages.py",)
+_CHECKSUM = ("connector/kv_checksum.py",)
 _ORDER = ("connector/transfer_order.py",)
 _ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
 
@@ -175,25 +178,37 @@ SEAMS: list[Seam] = [
         "start_load_kv": _DEADLINE + _REUSE + _IDLE,
         "get_finished": _DEADLINE,
         "_do_start_push_kv": _DEADLINE,
-        "_handle_push_reg_notif": _DEADLINE + _REUSE + _IDLE,
+        "_handle_push_reg_notif": _DEADLINE + _REUSE + _IDLE + _CHECKSUM,
         "_handle_failed_transfer": _DEADLINE + _REUSE + _IDLE,
-        "_get_new_notifs": _REUSE + _STAGES,
-        "_xfer_blocks_for_req": _STAGES,
+        "_get_new_notifs": _REUSE + _STAGES + _CHECKSUM,
+        "_xfer_blocks_for_req": _STAGES + _CHECKSUM,
+        "_pop_done_transfers": _CHECKSUM,
+        "_do_send_reg_notif": _CHECKSUM,
     }, "override or call the worker's transfer steps (same signatures)", checked_by=T_PUSH),
-    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _STAGES,
-           "send decode's agents the WRITE's start (nixl_wrapper.send_notif, as vLLM sends its PUSH_REG)",
+    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _STAGES + _CHECKSUM,
+           "send decode's agents the WRITE's start and the KV's sums (nixl_wrapper.send_notif, as vLLM sends its PUSH_REG)",
            checked_by=T_PUSH),
-    *_each("vllm", _PUSH_W, ("_as_grouped_block_ids", "_logical_to_kernel_block_ids", "_ensure_handshake"), "method",
+    *_each("vllm", _PUSH_W, ("src_blocks_data", "num_regions", "num_blocks", "device_kv_caches", "_has_mamba",
+                             "use_host_buffer", "transfer_topo", "_invalid_block_ids", "_failed_recv_reqs", "world_size",
+                             "tp_rank"), "instance", _CHECKSUM,
+           "sum each (region, block) descriptor NIXL transfers, in the memory it registered; fail a receive that "
+           "landed wrong the way vLLM fails one", checked_by=T_CHECKSUM),
+    *_each("vllm", "vllm.distributed.kv_transfer.kv_connector.utils:EngineTransferInfo",
+           ("remote_tp_size", "remote_block_size", "remote_physical_blocks_per_logical"), "attribute", _CHECKSUM,
+           "send sums only where both sides' descriptors pair one to one"),
+    *_each("vllm", _PUSH_W, ("_as_grouped_block_ids", "_ensure_handshake"), "method",
            _REUSE, "read a history back from decode with vLLM's own helpers"),
+    Seam("vllm", _PUSH_W, "_logical_to_kernel_block_ids", "method", _REUSE + _CHECKSUM,
+         "read a history back from decode with vLLM's own helpers; sum the kernel blocks of an offer"),
     *_per("vllm", _PUSH_W, "instance", {
-        "_recving_metadata": _DEADLINE + _REUSE + _IDLE,
-        "_recving_transfers": _DEADLINE,
+        "_recving_metadata": _DEADLINE + _REUSE + _IDLE + _CHECKSUM,
+        "_recving_transfers": _DEADLINE + _CHECKSUM,
         "_pending_d_registrations": _DEADLINE,
         "consumer_notification_counts_by_req": _DEADLINE,
-        "_physical_blocks_per_logical_kv_block": _REUSE,
+        "_physical_blocks_per_logical_kv_block": _REUSE + _CHECKSUM,
     }, "fail expired receives, drop expired registrations, track history READs and what KV is due",
         checked_by=T_PUSH),
-    Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _IDLE + _REUSE,
+    Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _IDLE + _REUSE + _CHECKSUM,
          "replace the writer thread's notification queue with one that wakes the engine; filter our READ's notifs",
          checked_by=T_IDLE),
     *_each("vllm", _PUSH_W, ("_push_writer_wake", "_push_writer_thread"), "instance", _IDLE,
@@ -207,9 +222,9 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PULL_W, ("_read_blocks_for_req", "_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
            "READ history blocks back from decode on the push worker (everything they read must exist there too)",
            checked_by=T_BORROWED),
-    *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE,
-           "decode the push registration payload to find the reuse offer"),
-    Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _REUSE,
+    *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE + _CHECKSUM,
+           "decode the push registration payload to find the reuse offer (and its sums)"),
+    Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _REUSE + _CHECKSUM,
          "match an offer (decode's id) with the prefill leg (same base id)"),
     *_per("vllm", f"{_META}:NixlConnectorMetadata", "instance", {
         "reqs_to_recv": _IDLE + _REUSE,
@@ -348,7 +363,11 @@ SEAMS: list[Seam] = [
     Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_response", "method", ("app/ingress.py",),
          "late binding: send a prefilled request through the decode router once more", checked_by=T_RESPONSE),
     Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_process_llm_request", "method", ("app/ingress.py",),
-         "retry a request whose decode replica died; end a failed stream with an error event", checked_by=T_STREAM),
+         "retry a request whose decode replica died; end a failed stream with an error event; a stream's queue deadline",
+         checked_by=T_STREAM),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_configured_serve_handle", "method",
+         ("app/ingress.py",), "keep the decode deployment's calls of a request, for its queue deadline to cancel",
+         checked_by=T_HANDLE),
     Seam("ray", f"{_RLLM}.core.server.llm_server", "LLMServer", "import", ("app/servers.py",),
          "call decode's own engine (LLMServer.chat/completions, skipping the PD orchestration)"),
     *_each("ray", f"{_RLLM}.core.server.llm_server:LLMServer", ("chat", "completions"), "method", ("app/servers.py",),

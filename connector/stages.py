@@ -9,7 +9,8 @@ happens inside the engines it cannot. Their connector schedulers see it:
   report does.
 * decode: when the request's blocks were allocated for remote KV (push: registered with
   prefill; pull: its READ started) and when the KV had landed (the worker reported the
-  receive complete). Decode's response carries no params when streamed, so these go to the
+  receive complete), or that it never did: the load failed and vLLM recomputes the prompt
+  on decode (:class:`KvFailure`: past push's KV deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
   serving replica as datagrams, on an abstract UNIX socket named after that process
   (:func:`stamps_address`; the replica names itself in ``STAMPS_PID_ENV`` before its engine
   starts); a replica that does not listen loses nothing but the stamps.
@@ -32,11 +33,24 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
 
 from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg
 
 logger = logging.getLogger("vllm.rendezvous")
+
+
+class KvFailure(str, Enum):
+    """Why a decode engine recomputed a prompt whose KV it had asked for (the load failed)."""
+
+    DEADLINE = "kv_deadline"  # push: no WRITE before the registration's deadline (connector.push_deadline)
+    FAILED = "kv_failed"  # the transfer (or its handshake) failed
+    MISMATCH = "kv_mismatch"  # push: it landed, but not the bytes prefill sent (connector.kv_checksum)
+
+
+# A failure this close to the request's push deadline is the deadline's (it fires at the expiry).
+_DEADLINE_SLACK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +63,7 @@ class DecodeKvStamps:
     requested: float | None = None  # push: blocks registered with prefill; pull: READ started
     landed: float | None = None  # the worker reported the receive complete
     write_started: float | None = None  # push: the prefill worker began its WRITE (its clock)
+    failed: str | None = None  # a KvFailure value: the KV never landed, decode recomputes the prompt
 
     def to_wire(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -62,7 +77,9 @@ class DecodeKvStamps:
             return None
         if not isinstance(request_id, str):
             return None
-        return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "write_started")))
+        failed = raw.get("failed")
+        return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "write_started")),
+                   failed=failed if failed in {f.value for f in KvFailure} else None)
 
 
 # The serving replica's pid, set by the replica before its engine starts (the engine's
@@ -80,7 +97,7 @@ def _stamps_target() -> bytes:
     return stamps_address(int(pid) if pid.isdigit() else os.getppid())
 
 
-class _StampSender:
+class StampSender:
     """One non-blocking datagram socket per process side (scheduler, worker)."""
 
     def __init__(self) -> None:
@@ -102,7 +119,9 @@ class StageClock:
     def _state(self) -> dict[str, Any]:
         # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
         # requested: decode request -> blocks allocated for remote KV.
-        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "sender": _StampSender()})
+        # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
+        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {},
+                                                                    "sender": StampSender()})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
@@ -111,19 +130,30 @@ class StageClock:
             self._state()["started"].setdefault(request.request_id, time.time())
         elif decode_leg and num_external_tokens > 0:
             self._state()["requested"].setdefault(request.request_id, time.time())
+            self._state()["blocks"][request.request_id] = {b for group in blocks.get_block_ids() for b in group}
 
     def update_connector_output(self, connector_output):
         super().update_connector_output(connector_output)
-        requested = self._state()["requested"]
+        state, now = self._state(), time.time()
+        invalid = getattr(connector_output, "invalid_block_ids", None) or set()
         for request_id in connector_output.finished_recving or ():
-            at = requested.pop(request_id, None)
-            if at is not None:
-                self._state()["sender"].send(DecodeKvStamps(request_id, requested=at, landed=time.time()))
+            at = state["requested"].pop(request_id, None)
+            blocks = state["blocks"].pop(request_id, set())
+            if at is None:
+                continue
+            if blocks & invalid:
+                timeout_s = getattr(self, "_kv_timeout_s", None)  # push's deadline (connector.push_deadline)
+                past_deadline = timeout_s is not None and now >= at + timeout_s - _DEADLINE_SLACK_S
+                failure = KvFailure.DEADLINE if past_deadline else KvFailure.FAILED
+                state["sender"].send(DecodeKvStamps(request_id, requested=at, failed=failure.value))
+            else:
+                state["sender"].send(DecodeKvStamps(request_id, requested=at, landed=now))
 
     def request_finished(self, request, block_ids):
         state = self._state()
         started = state["started"].pop(request.request_id, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
+        state["blocks"].pop(request.request_id, None)
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):
@@ -175,7 +205,7 @@ class WriteClock:
             if not is_write_started(notif):
                 kept.append(notif)
             elif (stamps := parse_write_started(notif)) is not None:
-                self.__dict__.setdefault("_rendezvous_stamp_sender", _StampSender()).send(stamps)
+                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(stamps)
         for notif in kept:
             self._pending_completion_notifs.put(notif)
         return super()._get_new_notifs()

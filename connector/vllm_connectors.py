@@ -22,7 +22,8 @@ And they keep NIXL's UCX progress thread from busy-polling a core per engine
 
 Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``),
 reuse of a conversation's history held by decode (``connector.push_reuse``), and engines
-that sleep instead of stepping while they only wait for KV (``connector.idle_wait``). Pull only:
+that sleep instead of stepping while they only wait for KV (``connector.idle_wait``), and
+checksums of pushed KV, checked on landing (``connector.kv_checksum``). Pull only:
 vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``). Both:
 transfers that start before the forward pass where it blocks (``connector.transfer_order``).
 """
@@ -43,8 +44,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 
 from connector.idle_wait import IdleScheduler, IdleWorker
+from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads
-from connector.params import KV_TIMEOUT_KEY
+from connector.params import KV_CHECKSUMS_KEY, KV_TIMEOUT_KEY
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock, WriteClock
 from connector.transfer_order import TransfersFirst
@@ -91,7 +93,7 @@ class PullScheduler(TransfersFirst, StageClock, HistoryPullScheduler):
     pass
 
 
-class PushWorker(WriteClock, IdleWorker):
+class PushWorker(KvChecksums, WriteClock, IdleWorker):
     pass
 
 
@@ -118,6 +120,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 logger.warning("%s and history reuse off: the model has several KV cache groups", KV_TIMEOUT_KEY)
             else:
                 self.connector_worker.__class__ = PushWorker
+                self.connector_worker._kv_checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
                 self.connector_worker._recv_expiry = {}
                 self.connector_worker.init_reuse()
                 self.connector_worker.init_idle()

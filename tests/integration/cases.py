@@ -76,6 +76,23 @@ def parse_generation(case: Case, payload: dict) -> Generation:
     return Generation(choice["prompt_token_ids"], choice["token_ids"], choice["text"])
 
 
+def parse_stream_generation(events: str) -> Generation:
+    """A completion streamed with ``return_token_ids``: prompt ids from its first event, the
+    answer's ids from all of them. Fails on an error event."""
+    prompt_ids, token_ids, text = None, [], []
+    for line in events.splitlines():
+        if not line.startswith("data: {"):
+            continue
+        event = json.loads(line.removeprefix("data: "))
+        assert "error" not in event, f"error event in stream: {event}"
+        for choice in event.get("choices", []):
+            prompt_ids = prompt_ids or choice.get("prompt_token_ids")
+            token_ids += choice.get("token_ids") or []
+            text.append(choice.get("text") or "")
+    assert prompt_ids, f"no prompt_token_ids in the stream: {events[:300]!r}"
+    return Generation(prompt_ids, token_ids, "".join(text))
+
+
 def read_stream(response) -> str:
     """Concatenate the text of an OpenAI SSE stream; fail on error events."""
     text, done = [], False

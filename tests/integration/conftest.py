@@ -14,6 +14,7 @@ import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import RoleMetrics
+from connector.kv_checksum import FAULT_FILE_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
@@ -50,14 +51,14 @@ def reference():
 
 
 @contextlib.contextmanager
-def running_app(config: str, log_dir: Path, how: str = "app.run"):
+def running_app(config: str, log_dir: Path, how: str = "app.run", env: dict[str, str] | None = None):
     """Start ``config`` as a user would (``how``: app.run, ``make serve`` or plain ``serve
     run``) and end it with Ctrl-C. Every start first checks that the ports are free, and
     every end that Ctrl-C ended every process of the run and freed the ports, so the next
     module's start is the immediate restart a user would try."""
     busy = busy_ports()
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
-    app = AppProcess(config, log_dir, how=how).start()
+    app = AppProcess(config, log_dir, how=how, env=env).start()
     try:
         app.wait_ready()
         yield app
@@ -74,6 +75,9 @@ def running_app(config: str, log_dir: Path, how: str = "app.run"):
             kill_run(app.run_id)
         left = app.leftovers()
         assert not left, f"{config}: processes survived Ctrl-C of {how}: {left}\n{app.log_tail()}"
+        if FAULT_FILE_ENV not in (env or {}):  # no KV corrupted on purpose: no checksum may have failed
+            false_alarms = [line[-200:] for line in app.log_path.open(errors="replace") if "landed wrong" in line]
+            assert not false_alarms, f"{config}: KV checksums failed on clean traffic: {false_alarms}"
         assert code in (0, -2, 2, 130), f"{config}: exit code {code} after Ctrl-C of {how}\n{app.log_tail()}"
         assert not busy_ports(), f"{config}: ports {busy_ports()} still bound after {how} ended"
 

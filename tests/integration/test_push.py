@@ -26,6 +26,7 @@ import pytest
 from app.model_source import resolve_model_source
 from app.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
 from app.timeline import LOG_MARKER, RequestTimeline
+from connector import kv_checksum
 from bench.engine_metrics import counted_by, delta, scrape
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
@@ -46,6 +47,7 @@ from tests.integration.cases import (
     kv_bytes_per_token,
     long_text,
     parse_generation,
+    parse_stream_generation,
     read_stream,
 )
 from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
@@ -59,13 +61,21 @@ CONFIG = "configs/local-cpu.yaml"
 
 @pytest.fixture(scope="module")
 def client(log_dir):
-    """The app, and a real Prometheus scraping it from the start (with the alert rules loaded)."""
-    with running_app(CONFIG, log_dir, how="make") as app, \
+    """The app, and a real Prometheus scraping it from the start (with the alert rules loaded). The app
+    can be told to corrupt pushed KV (connector.kv_checksum): ``client.kv_fault`` is the switch. At the
+    end, the mismatches counted are exactly the ones injected: clean traffic raised no false alarm."""
+    kv_fault = log_dir / "kv-fault"
+    kv_fault.write_text("")
+    env = {kv_checksum.FAULT_FILE_ENV: str(kv_fault), kv_checksum.FAULTS_ALLOWED_ENV: "1"}
+    with running_app(CONFIG, log_dir, how="make", env=env) as app, \
             prometheus_scraping(app.metrics_url(), log_dir / "prometheus-push", (ALERT_RULES,)) as prometheus:
         client = Client(app)
-        client.prometheus = prometheus
+        client.prometheus, client.kv_fault, client.kv_faults_injected = prometheus, kv_fault, 0
         yield client
         client.http.close()
+        # From the log: a replica's counters go with it, and this module kills one.
+        mismatches = sum("landed wrong" in line for line in app.log_path.open(errors="replace"))
+        assert mismatches == client.kv_faults_injected, f"{mismatches} KV mismatches, {client.kv_faults_injected} injected"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -237,7 +247,11 @@ def test_32_concurrent_mixed_requests_are_all_correct(client, reference):
     max_tokens = [rng.choice([8, 16, 24, 32]) for _ in cases]
 
     def send(i):
-        r = client.post(cases[i].endpoint, json=cases[i].body(max_tokens=max_tokens[i]))
+        for _ in range(20):  # admission may ask some of 32 long requests to come back (ingress.ttft_slo_s)
+            r = client.post(cases[i].endpoint, json=cases[i].body(max_tokens=max_tokens[i]))
+            if r.status_code not in (429, 503):
+                break
+            time.sleep(float(r.headers["retry-after"]))
         assert r.status_code == 200, r.text
         return parse_generation(cases[i], r.json())
 
@@ -251,6 +265,33 @@ def test_32_concurrent_mixed_requests_are_all_correct(client, reference):
         worst.append((max(gaps), case.name))
     bad = [(gap, name) for gap, name in worst if gap > 1.0]
     assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
+
+
+@pytest.mark.parametrize("fault", kv_checksum.FAULTS)
+def test_pushed_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(client, reference, fault):
+    """connector.kv_checksum: prefill's sums of what it WRITEs against what landed. With a byte flipped
+    after landing (a bad transport) or every block written into its neighbour's slot (a mapping error),
+    decode recomputes the prompt: the answer is still token-identical to one engine, and the request is
+    counted as prefill="kv_mismatch"."""
+    case = Case(f"kv-fault-{fault}", prompt=f"Checksum drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
+    counted = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill").get("kv_mismatch", 0)  # noqa: E731
+    before = counted()
+    client.kv_fault.write_text(fault)
+    try:
+        assert_token_identical(client, reference, case)
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while counted() < before + 1:
+        assert time.monotonic() < deadline, "the mismatch was not counted as prefill=kv_mismatch"
+        time.sleep(2)
+    assert counted() == before + 1
+    deadline = time.monotonic() + 10
+    warned = lambda: sum("landed wrong" in line for line in client.app.log_path.open(errors="replace"))  # noqa: E731
+    while warned() < client.kv_faults_injected:
+        assert time.monotonic() < deadline, "no warning naming the mismatch in the app log"
+        time.sleep(1)
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.
@@ -514,20 +555,22 @@ OVERLOAD_S, OVERLOAD_FACTOR = 120, 4
 
 
 @pytest.mark.slow
-def test_sustained_overload_gets_quick_429s_and_every_accepted_answer_is_correct(client, reference, tmp_path):
+def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct(client, reference, tmp_path):
     """Four times the rate the box sustains, for two minutes (open loop, Poisson arrivals,
-    from a process of its own: bench.openloop). Each request either completes correctly
-    (teacher-forced: vLLM is not batch-invariant) or gets a 429 with Retry-After and an
-    OpenAI error body quickly: a queue would make the rejected wait for the work they were
-    refused for. Then the app serves as before."""
-    limit = app_args(CONFIG).ingress.max_in_flight
+    from a process of its own: bench.openloop), streamed. Each request either completes
+    correctly (teacher-forced: vLLM is not batch-invariant), or gets a 429 with Retry-After and
+    an OpenAI error body quickly (admission: app/admission.py), or a 503 with Retry-After at
+    the queue deadline; none that was admitted starts later than that deadline. Then no engine
+    holds a request or a KV block, and the app serves as before."""
+    ingress = app_args(CONFIG).ingress
     prompt = long_text(3) + "\nNote {i} says"
-    body = Case("load", prompt=prompt).body(max_tokens=16)
+    whole = Case("load", prompt=prompt).body(max_tokens=16)
+    streamed = {**Case("load", prompt=prompt).body(stream=True, max_tokens=16), "return_token_ids": True}
 
-    # What the box sustains: completions per second with `limit` requests always in flight.
-    calibration_s, answered, ids = 20.0, 0, itertools.count()
+    # What the box sustains: completions per second with max_in_flight requests always offered.
+    limit, calibration_s, answered, ids = ingress.max_in_flight, 20.0, 0, itertools.count()
     with httpx.Client(base_url=BASE_URL, timeout=300, limits=httpx.Limits(max_connections=limit)) as http:
-        send = lambda i: http.post("/v1/completions", json=body_for(body, i))  # noqa: E731
+        send = lambda i: http.post("/v1/completions", json=body_for(whole, i))  # noqa: E731
         with cf.ThreadPoolExecutor(limit) as pool:
             started = time.monotonic()
             pending = {pool.submit(send, next(ids)) for _ in range(limit)}
@@ -541,34 +584,43 @@ def test_sustained_overload_gets_quick_429s_and_every_accepted_answer_is_correct
     rate, out = OVERLOAD_FACTOR * sustained, tmp_path / "overload.jsonl"
     subprocess.run(
         [sys.executable, "-m", "bench.openloop", "--base-url", BASE_URL, "--path", "/v1/completions",
-         "--body", json.dumps(body), "--rate", f"{rate:.3f}", "--seconds", str(OVERLOAD_S), "--seed", "7",
+         "--body", json.dumps(streamed), "--rate", f"{rate:.3f}", "--seconds", str(OVERLOAD_S), "--seed", "7",
          "--first-index", str(next(ids)), "--out", str(out)],
         check=True, timeout=OVERLOAD_S + 600,
     )
     results = [json.loads(line) for line in out.read_text().splitlines()]
 
     statuses = Counter(r["status"] for r in results)
-    assert set(statuses) <= {200, 429}, [str(r["response"])[:200] for r in results if r["status"] not in (200, 429)]
+    assert set(statuses) <= {200, 429, 503}, [str(r["response"])[:200] for r in results if r["status"] not in (200, 429, 503)]
     accepted = [r for r in results if r["status"] == 200]
     rejected = sorted(r["latency_s"] for r in results if r["status"] == 429)
     assert accepted and rejected, statuses
     for r in results:
         if r["status"] == 429:
             assert int(r["retry_after"]) > 0 and r["response"]["error"]["type"] == "rate_limit_error", r
-    generations = [parse_generation(Case(f"load{r['index']}", prompt=""), r["response"]) for r in accepted]
+        if r["status"] == 503:
+            assert int(r["retry_after"]) > 0 and "queue deadline" in r["response"]["error"]["message"], r
+    # Admitted and started within the queue deadline, or answered 503 at it (1 s: the client's own reading).
+    late = [(r["index"], r["first_byte_s"]) for r in accepted if r["first_byte_s"] > ingress.queue_deadline_s + 1]
+    assert not late, f"admitted streams whose first event came after the queue deadline: {late}"
+    generations = [parse_stream_generation(r["response"]) for r in accepted]
     all_gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])
     bad = [(r["index"], max(gaps)) for r, gaps in zip(accepted, all_gaps) if max(gaps) > 1.0]
     assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
 
     p99 = rejected[min(len(rejected) - 1, int(0.99 * len(rejected)))]
     answer_s = sorted(r["latency_s"] for r in accepted)
+    first_s = sorted(r["first_byte_s"] for r in accepted)
     print(f"overload: {sustained:.2f} req/s sustained, {rate:.2f} req/s offered for {OVERLOAD_S} s: "
-          f"{len(accepted)} answered (median {answer_s[len(answer_s) // 2]:.1f} s), "
-          f"{len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s)")
-    # The issue's target is a p99 under 1 s: 0.41 s measured on the 2-core box (README, Admission). Not
-    # asserted as such (a slower box is not a defect); what must hold anywhere: a rejection does not
-    # wait behind the work it was refused for.
+          f"{len(accepted)} answered (first event median {first_s[len(first_s) // 2]:.1f} s, p99 "
+          f"{first_s[min(len(first_s) - 1, int(0.99 * len(first_s)))]:.1f} s; answer median "
+          f"{answer_s[len(answer_s) // 2]:.1f} s), {len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s), "
+          f"{statuses[503]} given up at the queue deadline")
+    # The issue's target is a p99 under 1 s (README, Admission). Not asserted as such (a slower box is
+    # not a defect); what must hold anywhere: a rejection does not wait behind the work it was refused for.
     assert p99 < answer_s[len(answer_s) // 2] / 4, f"p99 of rejections {p99:.2f} s"
+    # Nothing admitted, expired or hung up on is left running or holding KV.
+    _wait_until_idle(client, ("prefill", "decode"), timeout_s=90)
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
@@ -622,6 +674,25 @@ def test_interleaved_conversations_never_mix_their_kv(client, reference):
     b.say(client, user_text(2, 12))
     a.assert_identical(reference)
     b.assert_identical(reference)
+
+
+def test_a_history_read_back_that_lands_wrong_is_recomputed_and_reported(client, reference):
+    """connector.kv_checksum, D->P: decode offers the history with its sums; prefill's READ lands with a
+    byte flipped (fault injection), so prefill recomputes the history instead of using it. The answer is
+    still identical to one engine's, and the turn is counted as history="kv_mismatch"."""
+    conversation = Conversation("corrupted-history")
+    conversation.say(client, user_text(1, 45))
+    before = settled_ours(client)
+    client.kv_fault.write_text("flip-history")
+    try:
+        conversation.say(client, user_text(2, 10))
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    conversation.assert_identical(reference)
+    after = wait_ours(client, lambda c: _counted(c, before, "conversation_turns", "kv_mismatch") >= 1)
+    assert _counted(after, before, "conversation_turns", "kv_mismatch") == 1, after
+    assert _counted(after, before, "conversation_turns", "reused") == 0, after
 
 
 def test_an_edited_history_reuses_only_the_prefix_that_still_matches(client, reference):

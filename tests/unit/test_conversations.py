@@ -185,6 +185,20 @@ def test_offers_from_several_workers_merge():
     from connector.push_reuse import ReuseOffers
 
     assert ReuseOffers({"a": {}}).aggregate(ReuseOffers({"b": {}})).offers.keys() == {"a", "b"}
+    assert ReuseOffers(mismatched={"r1"}).aggregate(ReuseOffers(mismatched={"r2"})).mismatched == {"r1", "r2"}
+
+
+def test_a_history_read_that_landed_wrong_is_reported_as_such():
+    """connector.kv_checksum found the READ's KV wrong: prefill recomputed the history, and says so."""
+    from connector.push_reuse import ReuseOffers
+
+    scheduler, request = _prefill_scheduler(), _request()
+    scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(512))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=ReuseOffers(mismatched={"cmpl-rdv-1", "gone"}),
+                                                      finished_recving=set(), finished_sending=set()))
+    assert scheduler._reports["cmpl-rdv-1"] == ReuseReport("kv_mismatch", reused_tokens=0, pushed_tokens=256,
+                                                           kv_bytes_per_token=10)
 
 
 def test_a_turn_knows_how_much_history_its_replica_holds():

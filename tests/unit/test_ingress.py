@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -326,3 +327,75 @@ def test_a_prefilled_answer_sends_the_request_through_the_decode_router_once_mor
     assert asyncio.run(go()) == ["a", "b"]
     assert [Prefilled.attached_to(b) for b in sent] == [None, prefilled]
     assert sent[0].kv_transfer_params is None
+
+
+def test_a_stream_with_no_first_chunk_by_the_queue_deadline_is_a_503_and_its_decode_call_is_cancelled(monkeypatch):
+    """Ingress: the deadline holds for streams only; the decode deployment's call made for the
+    request is cancelled (Serve then cancels it on the replica, which aborts its engines' legs)."""
+    from types import SimpleNamespace
+
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+
+    from app.ingress import Ingress, QueueDeadline
+
+    class Call:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    class Handle:
+        def __init__(self):
+            self.calls = []
+            self.chat = SimpleNamespace(remote=self._remote)
+
+        def _remote(self, *args):
+            self.calls.append(Call())
+            return self.calls[-1]
+
+    handle = Handle()
+    monkeypatch.setattr(OpenAiIngress, "_get_configured_serve_handle", lambda self, model_id: handle)
+
+    async def upstream(self, body, call_method, raw_request=None):
+        getattr(self._get_configured_serve_handle("m"), call_method).remote(body)
+        await asyncio.sleep(0 if not body.stream else 30)  # a stream that never starts
+        return JSONResponse({"ok": True})
+
+    monkeypatch.setattr(OpenAiIngress, "_process_llm_request", upstream)
+
+    def request():
+        return SimpleNamespace(state=SimpleNamespace(rendezvous_deadline=QueueDeadline(time.time() + 0.2, 0.2, 3)))
+
+    ingress = Ingress.__new__(Ingress)
+    stream, whole = request(), request()
+    expired = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True), "chat", stream))
+    answered = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=False), "chat", whole))
+    assert expired.status_code == 503 and expired.headers["retry-after"] == "3"
+    assert "queue deadline (0.2 s)" in json.loads(expired.body)["error"]["message"]
+    assert stream.state.rendezvous_expired is True and not hasattr(whole.state, "rendezvous_expired")
+    assert answered.status_code == 200  # a whole answer has no first chunk to wait for: no deadline
+    assert [call.cancelled for call in handle.calls] == [True, False]
+
+
+def test_a_request_expected_to_miss_the_slo_gets_a_429_saying_so():
+    async def go():
+        app, release = _app(limit=8, ttft_slo_s=5.0)
+        admission = app.state.admission
+        for _ in range(8):  # answers that taught it: 2 s per KiB ahead
+            _, ticket = admission.try_enter(1024, now=0.0)
+            admission.answered(ticket, now=2.0)
+            admission.leave(ticket)
+        async with _client(app) as client:
+            held = [asyncio.create_task(client.post("/v1/completions", json={"prompt": "x" * 1500})) for _ in range(2)]
+            while admission.in_flight < 2:
+                await asyncio.sleep(0.01)
+            rejected = await client.post("/v1/completions", json={"prompt": "x" * 3000})
+            release.set()
+            await asyncio.gather(*held)
+        return rejected, admission.in_flight
+
+    rejected, in_flight = asyncio.run(go())
+    assert rejected.status_code == 429, rejected.text
+    message = rejected.json()["error"]["message"]
+    assert "expected time to first token" in message and "5 s target" in message
+    assert int(rejected.headers["retry-after"]) >= 1 and in_flight == 0

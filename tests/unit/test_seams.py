@@ -173,6 +173,50 @@ def test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend():
     assert "self._get_response(" in inspect.getsource(OpenAiIngress._process_llm_request)
 
 
+def test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap():
+    """The queue deadline (app.ingress) wraps the handle ``_get_configured_serve_handle`` returns;
+    upstream calls ``options(...)`` on it and then ``<method>.remote(...)``, and a handle call's
+    response can be cancelled."""
+    from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    assert list(inspect.signature(OpenAiIngress._get_configured_serve_handle).parameters) == ["self", "model_id"]
+    source = inspect.getsource(OpenAiIngress._get_response)
+    assert "model_handle = self._get_configured_serve_handle(model_id)" in source
+    assert "model_handle = model_handle.options(session_id=session_id)" in source
+    assert "getattr(model_handle, call_method).remote(" in source
+    assert callable(DeploymentResponseGenerator.cancel)
+
+
+def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
+    """connector.kv_checksum sums the memory each NIXL descriptor covers and fails a receive as vLLM does."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, push_worker
+
+    from connector.kv_checksum import KvChecksums
+
+    # Descriptors: rows of (address, length, device); all-attention descriptor ids are region * num_blocks + block.
+    assert "return (region_ids * num_blocks + block_arr).flatten()" in inspect.getsource(
+        base_worker.NixlBaseConnectorWorker._compute_desc_ids)
+    assert "self.src_blocks_data = (" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
+    assert "self.device_kv_caches = kv_caches" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
+    # A failed receive: its blocks reported invalid, the request put on the failed queue, which get_finished drains
+    # right after popping the done receives.
+    failed = inspect.getsource(base_worker.NixlBaseConnectorWorker._handle_failed_transfer)
+    assert "self._invalid_block_ids.put(set(meta.local_block_ids[0]))" in failed and "self._failed_recv_reqs.put(req_id)" in failed
+    finished = inspect.getsource(base_worker.NixlBaseConnectorWorker.get_finished)
+    assert 0 < finished.index("self._pop_done_transfers(self._recving_transfers)") < finished.index("self._failed_recv_reqs.empty()")
+    assert finished.index("self._get_new_notifs()") < finished.index("self._pop_done_transfers(self._recving_transfers)")
+    # Push: a completion notification makes an empty transfer entry, popped as done.
+    assert "self._recving_transfers.setdefault(req_id, [])" in inspect.getsource(push_worker.NixlPushConnectorWorker._get_new_notifs)
+    # D->P: the registration decode sends carries the offer our scheduler added (connector.push_reuse).
+    assert "notif_msg = PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data)" in inspect.getsource(
+        push_worker.NixlPushConnectorWorker._do_send_reg_notif)
+    for method in ("_xfer_blocks_for_req", "_get_new_notifs", "_pop_done_transfers", "_do_send_reg_notif",
+                   "_handle_push_reg_notif"):
+        assert list(inspect.signature(getattr(KvChecksums, method)).parameters) == list(
+            inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
+
+
 def test_build_llm_deployment_signature():
     params = inspect.signature(build_llm_deployment).parameters
     for name in ("name_prefix", "bind_kwargs", "deployment_cls"):
@@ -788,8 +832,10 @@ def _class_sources(cls):
 
 
 def _assigned_on_self(source: str) -> set[str]:
-    """Names a class's source sets on its instances: ``self.x = ...`` or ``self.x: T ...`` at a statement's start."""
-    return set(re.findall(r"^\s*self\.(\w+)\s*(?:=(?!=)|:\s*\S)", source, re.M))
+    """Names a class's source sets on its instances: ``self.x = ...`` or ``self.x: T ...`` at a statement's start,
+    or the last of a tuple assignment (``self.a[k], self.x = (``)."""
+    return (set(re.findall(r"^\s*self\.(\w+)\s*(?:=(?!=)|:\s*\S)", source, re.M))
+            | set(re.findall(r"^\s*self\.[\w.\[\]]+,\s*self\.(\w+)\s*=(?!=)", source, re.M)))
 
 
 def _has_attribute(cls, name: str) -> bool:

@@ -115,6 +115,25 @@ def test_decode_sends_its_timeline_before_a_whole_response_and_after_a_stream():
     assert streamed[:2] == ["a", "b"] and isinstance(streamed[2], RequestTimeline) and streamed[2].stream
 
 
+@pytest.mark.parametrize("failed", [None, "kv_deadline", "kv_failed"])
+def test_a_remote_request_whose_kv_never_landed_is_counted_by_why_decode_recomputed_it(failed):
+    """The decode engine's failure datagram (connector.stages.KvFailure) reaches the replica before the
+    first token (decode recomputes the prompt first): the request counts under that rung."""
+    from connector.stages import DecodeKvStamps
+
+    server = _server_answering([])
+
+    async def remote(request, raw=None):
+        server._engine_stamped(DecodeKvStamps(request.request_id, requested=1.0, landed=None if failed else 2.0,
+                                              failed=failed))
+        yield "chunk"
+
+    server._pd_handle_request = remote
+    chunks = _all(server, CompletionRequest(model="m", prompt="hi"))
+    assert server.paths == [failed or "remote"]
+    assert chunks[0].kv_failure == failed and ("kv_landed" in chunks[0].stamps) == (failed is None)
+
+
 def test_no_timeline_before_an_error_the_ingress_turns_into_a_status():
     from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo, ErrorResponse
 
@@ -168,14 +187,20 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
     assert STAGES_KEY not in scheduler.request_finished(decode_request, [[1]])[1]
 
 
-def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed(monkeypatch):
+def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_why_it_never_did(monkeypatch):
     """Decode side of connector.stages: one datagram per request whose KV landed, read by
-    the serving process's listener; a request that never got its KV sends nothing."""
+    the serving process's listener; one naming the failure for a request whose load failed
+    (vLLM reports its blocks invalid and recomputes it): past push's KV deadline, or not;
+    a request that was aborted sends nothing."""
     import connector.stages as stages
 
     monkeypatch.setattr(stages.os, "getppid", stages.os.getpid)  # this process plays the replica
+    clock = [1000.0]
+    monkeypatch.setattr(stages.time, "time", lambda: clock[0])
 
     class Upstream:
+        _kv_timeout_s = 60.0  # push's deadline (connector.push_deadline)
+
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             request.kv_transfer_params = {"do_remote_prefill": False}  # vLLM clears it once registered
 
@@ -191,18 +216,25 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed(mon
     def decode_request(rid):
         return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_prefill": True})
 
+    def blocks(*ids):
+        return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
     async def run():
         heard = []
         sock = stages.listen_for_decode_stamps(heard.append)
         assert sock is not None
         scheduler = Scheduler()
-        landed, aborted = decode_request("chatcmpl-rdv-1"), decode_request("chatcmpl-rdv-2")
-        scheduler.update_state_after_alloc(landed, None, 64)
-        scheduler.update_state_after_alloc(aborted, None, 64)
-        scheduler.request_finished(aborted, [])
-        scheduler.update_connector_output(SimpleNamespace(finished_recving={"chatcmpl-rdv-1", "chatcmpl-rdv-2"}))
+        names = ["chatcmpl-rdv-1", "chatcmpl-rdv-2", "chatcmpl-rdv-3", "chatcmpl-rdv-4"]
+        for i, name in enumerate(names):
+            scheduler.update_state_after_alloc(decode_request(name), blocks(10 * i, 10 * i + 1), 64)
+        scheduler.request_finished(decode_request(names[1]), [])  # aborted
+        clock[0] += 1.0
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={names[0], names[1], names[2]},
+                                                          invalid_block_ids={21}))  # 3's transfer failed
+        clock[0] += 60.0
+        scheduler.update_connector_output(SimpleNamespace(finished_recving={names[3]}, invalid_block_ids={30, 31}))
         for _ in range(100):
-            if heard:
+            if len(heard) == 3:
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
@@ -210,9 +242,13 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed(mon
         sock.close()
         return heard
 
-    heard = asyncio.run(run())
-    assert [s.request_id for s in heard] == ["chatcmpl-rdv-1"]
-    assert heard[0].requested <= heard[0].landed and heard[0].write_started is None
+    heard = sorted(asyncio.run(run()), key=lambda s: s.request_id)
+    assert [(s.request_id, s.requested, s.landed, s.failed) for s in heard] == [
+        ("chatcmpl-rdv-1", 1000.0, 1001.0, None),
+        ("chatcmpl-rdv-3", 1000.0, None, "kv_failed"),
+        ("chatcmpl-rdv-4", 1000.0, None, "kv_deadline"),
+    ]
+    assert heard[0].write_started is None
     assert stages.DecodeKvStamps.from_wire(b"not json") is None
     assert stages.DecodeKvStamps.from_wire(b'{"request_id": 7}') is None
 

@@ -1,0 +1,318 @@
+"""Checksums of pushed KV (vLLM-side; no Ray, no ``app``): a WRITE that lands wrong bytes is caught
+before decode computes with them.
+
+The worst failure of NIXL P/D is not a crash but a 200 with garbage: KV written to the wrong blocks,
+a mapping mismatch, a partial write counted as complete. Just before each WRITE the prefill worker
+sums every (layer region, block) descriptor it sends (the int64 sum of its bytes, on the device
+that holds it) and sends the sums to its peer decode worker in one NIXL notification
+(``KV_SUMS_NOTIF``; the same endpoint carries the WRITE's completion afterwards, so the sums come
+first). When decode's worker sees the receive complete it sums what landed in its own blocks and
+compares. A mismatch fails the load the way vLLM's own transfer failures do: the blocks are
+reported invalid and vLLM recomputes the prompt on decode (``kv_load_failure_policy: recompute``),
+so the client still gets a correct answer; decode's replica counts it as ``prefill="kv_mismatch"``
+(a datagram, ``connector.stages``) and the worker logs which descriptors disagreed.
+
+The other way too: a conversation turn's history that prefill READs back from decode
+(``connector.push_reuse``). Decode adds the sums of the blocks it offers to its push registration;
+prefill checks what its READ landed, and on a mismatch recomputes the history (vLLM's failed-load
+path again) and reports the turn as ``kv_mismatch`` (``ReuseReason.MISMATCH``).
+
+Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted blocks, a write
+that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
+Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
+physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
+sent and nothing is checked (logged once). Push mode only: pull's READs are vLLM's own.
+
+Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
+(and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
+transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
+check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
+``shift`` makes prefill write every block into its neighbour's slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from collections import OrderedDict
+
+import msgspec
+import numpy as np
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY, ReuseOffers
+from connector.stages import DecodeKvStamps, KvFailure, StampSender
+
+logger = logging.getLogger("vllm.rendezvous")
+
+KV_SUMS_NOTIF = b"rdv-kv-sums:"
+FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
+FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
+FAULTS = ("flip", "shift", "flip-history")
+_EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
+
+
+class KvSums(msgspec.Struct, frozen=True):
+    """Prefill worker -> its peer decode worker, just before a WRITE."""
+
+    request_id: str  # decode's
+    regions: int
+    sums: bytes  # int64, [regions, blocks], blocks in decode's order
+
+
+def injected_fault() -> str | None:
+    """The fault the test harness asks for now, if any (read at each use: tests switch it on a running app)."""
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path or os.environ.get(FAULTS_ALLOWED_ENV) != "1":
+        return None
+    try:
+        with open(path) as f:
+            fault = f.read().strip()
+    except OSError:
+        return None
+    return fault if fault in FAULTS else None
+
+
+def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
+    """(region, block position) pairs whose sums differ; every pair if the shapes do."""
+    if expected.shape != got.shape:
+        return [(r, b) for r in range(max(expected.shape[0], got.shape[0])) for b in range(max(expected.shape[1], 1))]
+    return [(int(r), int(b)) for r, b in zip(*np.nonzero(expected != got))]
+
+
+class KvChecksums:
+    """Mixin for the push worker (put before vLLM's class); both roles."""
+
+    _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
+
+    def _kv_regions(self):
+        """Per descriptor region: a [num_blocks, block bytes / 8] int64 view of the memory NIXL transfers;
+        None where descriptors do not pair one to one (see the module docstring)."""
+        cached = self.__dict__.get("_rendezvous_kv_regions", False)
+        if cached is not False:
+            return cached
+        if not self._kv_checksums:
+            self.__dict__["_rendezvous_kv_regions"] = None
+            return None
+        regions = None
+        try:
+            regions = self._build_kv_regions()
+        except Exception:  # never let a safety check take the engine down
+            logger.exception("KV checksums off: cannot map the KV cache")
+        if regions is None:
+            logger.warning("KV checksums off for this engine: its KV layout is not one they cover")
+        self.__dict__["_rendezvous_kv_regions"] = regions
+        return regions
+
+    def _build_kv_regions(self):
+        import torch
+
+        if self._has_mamba or self.use_host_buffer or getattr(self, "_is_hma_required", False):
+            return None
+        blocks_data, num_blocks = np.asarray(self.src_blocks_data), self.num_blocks
+        if num_blocks < 2 or len(blocks_data) != self.num_regions * num_blocks:
+            return None
+        storages = {}
+        for cache in self.device_kv_caches.values():
+            storage = cache.untyped_storage()
+            storages[storage.data_ptr()] = (storage, cache.device)
+        regions = []
+        for k in range(self.num_regions):
+            rows = blocks_data[k * num_blocks:(k + 1) * num_blocks]
+            base, length = int(rows[0][0]), int(rows[0][1])
+            stride = int(rows[1][0]) - base
+            if length % 8 or stride % 8 or int(rows[-1][0]) != base + (num_blocks - 1) * stride:
+                return None
+            owner = [(ptr, s, d) for ptr, (s, d) in storages.items() if ptr <= base and base + (num_blocks - 1) * stride
+                     + length <= ptr + s.nbytes()]
+            if len(owner) != 1:
+                return None
+            ptr, storage, device = owner[0]
+            if (base - ptr) % 8:
+                return None
+            flat = torch.empty(0, dtype=torch.int64, device=device).set_(storage, 0, (storage.nbytes() // 8,), (1,))
+            regions.append(flat.as_strided((num_blocks, length // 8), (stride // 8, 1), (base - ptr) // 8))
+        return regions
+
+    def kv_sums(self, block_ids) -> np.ndarray | None:
+        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered.
+        Summed in place, a run of consecutive blocks at a time (a request's blocks mostly are): the
+        bytes are read once and never copied."""
+        import torch
+
+        regions = self._kv_regions()
+        if regions is None:
+            return None
+        runs = _runs(list(block_ids))
+        return torch.stack([torch.cat([region[start:start + n].sum(dim=1) for start, n in runs])
+                            for region in regions]).cpu().numpy()
+
+    # ---------------------------------------------------------------- prefill: sums, then the WRITE
+    def _xfer_blocks_for_req(self, req_id, meta):
+        remote = meta.remote
+        try:
+            self._send_kv_sums(meta)
+        except Exception:  # a check is never worth a transfer
+            logger.exception("KV sums for %s not sent", req_id)
+        if injected_fault() == "shift" and remote.block_ids and len(remote.block_ids[0]) > 1:
+            ids = list(remote.block_ids[0])
+            remote.block_ids = (ids[1:] + ids[:1], *remote.block_ids[1:])
+            logger.warning("fault injection: %s's blocks WRITten into their neighbours' slots", req_id)
+        return super()._xfer_blocks_for_req(req_id, meta)
+
+    def _send_kv_sums(self, meta) -> None:
+        remote = meta.remote
+        info = self.transfer_topo.get_engine_info(remote.engine_id)
+        paired = (len(meta.local_physical_block_ids) == 1 and len(remote.block_ids) == 1
+                  and info.remote_tp_size == self.world_size
+                  and self.transfer_topo.block_size_ratio(info.remote_block_size) == 1
+                  and info.remote_physical_blocks_per_logical == self._physical_blocks_per_logical_kv_block)
+        agent = (self._remote_agents.get(remote.engine_id) or {}).get(self.tp_rank)
+        if not paired or agent is None:
+            return
+        # Decode allocated only what it did not have cached: the blocks pair from the end.
+        wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
+        local = list(meta.local_physical_block_ids[0])[-wanted:] if wanted else []
+        sums = self.kv_sums(local) if local else None
+        if sums is None:
+            return
+        payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
+        self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
+
+    # ---------------------------------------------------------------- decode: sums of the history it offers
+    def _do_send_reg_notif(self, req_id, reg_data):
+        offer = reg_data.get(OFFER_KEY)
+        if offer and offer.get("block_ids"):
+            try:
+                ids = self._logical_to_kernel_block_ids((list(offer["block_ids"]),),
+                                                        self._physical_blocks_per_logical_kv_block)[0]
+                sums = self.kv_sums(ids)
+                if sums is not None:
+                    offer["sums"], offer["sum_regions"] = sums.astype(np.int64).tobytes(), sums.shape[0]
+            except Exception:  # the offer stands without its sums
+                logger.exception("sums of %s's history offer not computed", req_id)
+        return super()._do_send_reg_notif(req_id, reg_data)
+
+    # ---------------------------------------------------------------- prefill: keep the offer's sums
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        try:
+            registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
+            offer = registration.get(OFFER_KEY) or {}
+            if offer.get("sums") and registration.get("decode_tp_size") == self.world_size:
+                sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1)
+                # Written here (the writer thread), popped by the main thread: single dict operations only.
+                self._expected("_rendezvous_history_sums")[_history_key(registration["request_id"])] = (
+                    list(offer["block_ids"]), sums)
+        except Exception:  # vLLM's handler below says what is wrong with the payload
+            pass
+        super()._handle_push_reg_notif(notif)
+
+    def build_connector_worker_meta(self):
+        meta = super().build_connector_worker_meta()
+        mismatched = self.__dict__.pop("_rendezvous_history_mismatched", set())
+        if not mismatched:
+            return meta
+        meta = meta if isinstance(meta, ReuseOffers) else ReuseOffers()
+        meta.mismatched |= mismatched
+        return meta
+
+    def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
+        """Sums awaiting their receive, by request (pushes) or turn (history reads); the oldest dropped."""
+        expected = self.__dict__.setdefault(name, OrderedDict())
+        while len(expected) > _EXPECTED_KEPT:
+            expected.popitem(last=False)
+        return expected
+
+    # ---------------------------------------------------------------- decode: keep the sums, check what landed
+    def _get_new_notifs(self) -> set[str]:
+        expected = self._expected()
+        kept = []
+        while True:
+            try:
+                notif = self._pending_completion_notifs.get_nowait()
+            except queue.Empty:
+                break
+            if not notif.startswith(KV_SUMS_NOTIF):
+                kept.append(notif)
+                continue
+            try:
+                sums = msgspec.msgpack.decode(notif[len(KV_SUMS_NOTIF):], type=KvSums)
+            except msgspec.DecodeError:
+                logger.warning("malformed KV sums notification dropped")
+                continue
+            expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
+        for notif in kept:
+            self._pending_completion_notifs.put(notif)
+        return super()._get_new_notifs()
+
+    def _pop_done_transfers(self, transfers):
+        done = super()._pop_done_transfers(transfers)
+        if transfers is not getattr(self, "_recving_transfers", None) or not done:
+            return done
+        for req_id in list(done):
+            meta = self._recving_metadata.get(req_id)
+            if meta is None or len(meta.local_physical_block_ids) != 1:
+                continue
+            remote = getattr(meta, "remote", None)
+            history = remote is not None and remote.request_id == HISTORY_READ_ID
+            checked = self._landed_right(req_id, meta, history)
+            if checked is not False:
+                continue
+            done.discard(req_id)
+            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+            self._failed_recv_reqs.put(req_id)
+            if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
+                self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
+            else:  # decode: its replica counts the request (prefill="kv_mismatch")
+                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(
+                    DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
+        return done
+
+    def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
+        """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
+        blocks = list(meta.local_physical_block_ids[0])
+        if history:
+            offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
+            if offered is None:
+                return None
+            column = {block: i for i, block in enumerate(offered[0])}
+            read = list(meta.remote.block_ids[0])
+            if len(read) != len(blocks) or any(b not in column for b in read):
+                return None  # not the one-to-one READ of offered blocks the sums describe
+            expected = offered[1][:, [column[b] for b in read]]
+        else:
+            expected = self._expected().pop(req_id, None)
+            if expected is None:
+                return None
+        fault = injected_fault()
+        if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
+            self._kv_regions()[0][blocks[0], 0] ^= 0xFF
+            logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
+        got = self.kv_sums(blocks)
+        if got is None:
+            return None
+        wrong = mismatches(expected, got)
+        if wrong:
+            logger.warning("KV of %s landed wrong%s: %d of %d (layer region, block) sums differ, first %s; %s",
+                           req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
+                           wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
+        return not wrong
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive ids, in order: [4, 5, 6, 2, 3] -> [(4, 3), (2, 2)]."""
+    runs: list[tuple[int, int]] = []
+    for block in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == block:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+def _history_key(request_id: str) -> str:
+    """Decode's offer and prefill's READ of the same turn share the base request id."""
+    return "history:" + get_base_request_id(request_id)

@@ -1,0 +1,234 @@
+"""connector.kv_checksum: prefill's sums of what it WRITEs against what lands in decode's blocks.
+
+Two workers over real KV tensors, laid out as vLLM registers them with NIXL (one descriptor per
+layer region and block); the stand-in for vLLM below them copies bytes as a WRITE would, so what
+is checked is the connector's own logic: which blocks it sums, how the sums travel, what a
+mismatch does to the receive."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+
+from connector import kv_checksum
+from connector.kv_checksum import KV_SUMS_NOTIF, KvChecksums, mismatches
+
+LAYERS, BLOCKS, BLOCK_ELEMS = 3, 8, 64
+
+
+class Upstream:
+    """What KvChecksums reads of vLLM's push worker, with KV caches of LAYERS x BLOCKS blocks."""
+
+    def __init__(self, engine_id: str, seed: int):
+        self.engine_id, self.tp_rank, self.world_size = engine_id, 0, 1
+        self._has_mamba, self.use_host_buffer, self._physical_blocks_per_logical_kv_block = False, False, 1
+        generator = torch.Generator().manual_seed(seed)
+        # [2 (K, V), blocks, elems]: a block's K and V are not adjacent, as in vLLM's CPU layout.
+        self.device_kv_caches = {f"layer{i}": torch.randn(2, BLOCKS, BLOCK_ELEMS, generator=generator)
+                                 for i in range(LAYERS)}
+        rows = []
+        for cache in self.device_kv_caches.values():
+            for half in range(2):
+                for block in range(BLOCKS):
+                    rows.append((cache[half, block].data_ptr(), BLOCK_ELEMS * 4, 0))
+        self.src_blocks_data, self.num_regions, self.num_blocks = np.array(rows, dtype=np.int64), LAYERS * 2, BLOCKS
+        self._pending_completion_notifs: queue.Queue = queue.Queue()
+        self._recving_transfers: dict[str, list] = {}
+        self._recving_metadata: dict[str, SimpleNamespace] = {}
+        self._invalid_block_ids: queue.Queue = queue.Queue()
+        self._failed_recv_reqs: queue.Queue = queue.Queue()
+        self.notifs_sent: list[tuple[str, bytes]] = []
+        self.nixl_wrapper = SimpleNamespace(send_notif=lambda agent, notif_msg: self.notifs_sent.append((agent, notif_msg)))
+        self._remote_agents = {"decode": {0: "decode-agent-0"}}
+        info = SimpleNamespace(remote_tp_size=1, remote_block_size=16, remote_physical_blocks_per_logical=1)
+        self.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info, block_size_ratio=lambda size: 1)
+        self.peer: Upstream | None = None
+        self.registrations_sent: list[bytes] = []
+        self.registrations_seen: list[bytes] = []
+
+    def _xfer_blocks_for_req(self, req_id, meta):  # the WRITE: region by region, block by block
+        for mine, theirs in zip(self.device_kv_caches.values(), self.peer.device_kv_caches.values()):
+            for local, remote in zip(meta.local_physical_block_ids[0][-len(meta.remote.block_ids[0]):],
+                                     meta.remote.block_ids[0]):
+                theirs[:, remote] = mine[:, local]
+
+    def _get_new_notifs(self):
+        return set()
+
+    def _logical_to_kernel_block_ids(self, block_ids, physical_per_logical):
+        return block_ids
+
+    def _do_send_reg_notif(self, req_id, reg_data):
+        self.registrations_sent.append(PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data))
+
+    def _handle_push_reg_notif(self, notif):
+        self.registrations_seen.append(notif)
+
+    def build_connector_worker_meta(self):
+        return None
+
+    def _pop_done_transfers(self, transfers):
+        done = set(transfers)
+        transfers.clear()
+        return done
+
+
+class Worker(KvChecksums, Upstream):
+    pass
+
+
+def _pair():
+    prefill, decode = Worker("prefill", seed=1), Worker("decode", seed=2)
+    prefill.peer = decode
+    return prefill, decode
+
+
+def _push(prefill, decode, request_id="rdv-1", local=(1, 2, 3, 4), remote=(6, 5, 0)):
+    """One push: prefill holds ``local`` (decode had the first block cached, so it gets the last 3)."""
+    meta = SimpleNamespace(local_physical_block_ids=(list(local),),
+                           remote=SimpleNamespace(engine_id="decode", request_id=request_id, block_ids=(list(remote),)))
+    prefill._xfer_blocks_for_req("prefill-id", meta)
+    for agent, notif in prefill.notifs_sent:
+        assert agent == "decode-agent-0"
+        decode._pending_completion_notifs.put(notif)
+    prefill.notifs_sent.clear()
+    decode._recving_metadata[request_id] = SimpleNamespace(local_block_ids=[list(remote)],
+                                                           local_physical_block_ids=(list(remote),), remote=None)
+    decode._recving_transfers[request_id] = []
+    decode._get_new_notifs()
+    done = decode._pop_done_transfers(decode._recving_transfers)
+    invalid = set().union(*[decode._invalid_block_ids.get_nowait() for _ in range(decode._invalid_block_ids.qsize())])
+    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
+    return done, invalid, failed
+
+
+@pytest.mark.parametrize(
+    "expected, got, wrong",
+    [
+        (np.zeros((2, 3)), np.zeros((2, 3)), []),
+        (np.zeros((2, 3)), np.array([[0, 0, 0], [0, 7, 0]]), [(1, 1)]),
+        (np.zeros((2, 3)), np.zeros((2, 2)), [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]),  # shapes differ: all
+    ],
+)
+def test_mismatches_name_each_region_and_block_that_differs(expected, got, wrong):
+    assert mismatches(expected, got) == wrong
+
+
+@pytest.mark.parametrize("ids, runs", [([], []), ([4, 5, 6, 2, 3], [(4, 3), (2, 2)]), ([7, 6, 5], [(7, 1), (6, 1), (5, 1)])])
+def test_blocks_are_summed_a_run_of_consecutive_ids_at_a_time(ids, runs):
+    from connector.kv_checksum import _runs
+
+    assert _runs(ids) == runs
+
+
+def test_the_sums_are_of_each_blocks_bytes_in_the_order_asked():
+    worker = Worker("w", seed=9)
+    ids = [5, 6, 7, 0, 2]
+    sums = worker.kv_sums(ids)
+    caches = list(worker.device_kv_caches.values())
+    for region in range(worker.num_regions):
+        cache, half = caches[region // 2], region % 2
+        assert list(sums[region]) == [int(cache[half, b].contiguous().view(torch.int64).sum()) for b in ids]
+
+
+def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notifications():
+    prefill, decode = _pair()
+    decode._pending_completion_notifs.put(b"rdv-0:1")  # a completion of vLLM's: left for vLLM
+    done, invalid, failed = _push(prefill, decode)
+    assert done == {"rdv-1"} and not invalid and not failed
+    assert list(decode._pending_completion_notifs.queue) == [b"rdv-0:1"]
+    assert not decode.__dict__["_rendezvous_expected_sums"]  # used once, then dropped
+
+
+@pytest.mark.parametrize("fault", ["flip", "shift"])
+def test_kv_that_lands_wrong_fails_the_receive_so_vllm_recomputes_it(fault, tmp_path, monkeypatch):
+    (tmp_path / "fault").write_text(fault)
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    prefill, decode = _pair()
+    done, invalid, failed = _push(prefill, decode)
+    assert done == set() and failed == ["rdv-1"] and invalid == {6, 5, 0}
+
+
+def test_a_write_that_never_happened_is_caught_too():
+    prefill, decode = _pair()
+    prefill._xfer_blocks_for_req = lambda req_id, meta: (KvChecksums._send_kv_sums(prefill, meta), None)[1]
+    assert _push(prefill, decode)[2] == ["rdv-1"]
+
+
+def test_faults_need_both_switches(tmp_path, monkeypatch):
+    (tmp_path / "fault").write_text("flip")
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    assert kv_checksum.injected_fault() is None
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    assert kv_checksum.injected_fault() == "flip"
+    (tmp_path / "fault").write_text("")
+    assert kv_checksum.injected_fault() is None
+
+    from app.preflight import fault_injection_refusal
+
+    assert fault_injection_refusal({kv_checksum.FAULT_FILE_ENV: "/x"}) is not None
+    assert fault_injection_refusal({kv_checksum.FAULT_FILE_ENV: "/x", kv_checksum.FAULTS_ALLOWED_ENV: "1"}) is None
+    assert fault_injection_refusal({}) is None
+
+
+def test_layouts_the_sums_do_not_cover_send_none_and_check_nothing():
+    prefill, decode = _pair()
+    prefill.transfer_topo.get_engine_info = lambda engine_id: SimpleNamespace(
+        remote_tp_size=2, remote_block_size=16, remote_physical_blocks_per_logical=1)  # heterogeneous TP
+    done, _, failed = _push(prefill, decode)
+    assert done == {"rdv-1"} and not failed and not prefill.notifs_sent
+    hybrid = Worker("hybrid", seed=3)
+    hybrid._has_mamba = True
+    assert hybrid.kv_sums([0, 1]) is None
+    switched_off = Worker("off", seed=4)
+    switched_off._kv_checksums = False  # handoff.kv_checksums: false
+    assert switched_off.kv_sums([0, 1]) is None
+
+
+def test_the_sums_notification_is_small():
+    prefill, decode = _pair()
+    meta = SimpleNamespace(local_physical_block_ids=([1, 2, 3],),
+                           remote=SimpleNamespace(engine_id="decode", request_id="rdv-9", block_ids=([4, 5, 6],)))
+    prefill._send_kv_sums(meta)
+    (_, notif), = prefill.notifs_sent
+    assert notif.startswith(KV_SUMS_NOTIF) and len(notif) < 64 + LAYERS * 2 * 3 * 8
+
+
+@pytest.mark.parametrize("fault, mismatched", [("", set()), ("flip-history", {"chatcmpl-rdv-5-9f8e7d6c"})])
+def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, mismatched, tmp_path, monkeypatch):
+    """D->P: decode's registration carries the sums of the history blocks it offers; prefill checks the
+    blocks its READ landed (paired one to one with the offered ones it read), and a mismatch fails the
+    READ (prefill recomputes) and is handed to the scheduler for the turn's report."""
+    (tmp_path / "fault").write_text(fault)
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY
+
+    decode, prefill = Worker("decode", seed=5), Worker("prefill", seed=6)
+    offered = [3, 1, 4]
+    decode._do_send_reg_notif("chatcmpl-rdv-5-0a1b2c3d", {"request_id": "chatcmpl-rdv-5-0a1b2c3d", "decode_tp_size": 1,
+                                                   OFFER_KEY: {"block_ids": offered, "num_tokens": 48}})
+    (registration,) = decode.registrations_sent
+    prefill._handle_push_reg_notif(registration)
+    assert prefill.registrations_seen == [registration]  # vLLM's handler still gets it
+    # The READ of the first two offered blocks into prefill's blocks 6 and 7, as vLLM's pull READ copies them.
+    for mine, theirs in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+        mine[:, [6, 7]] = theirs[:, [3, 1]]
+    rid = "chatcmpl-rdv-5-9f8e7d6c"
+    prefill._recving_metadata[rid] = SimpleNamespace(
+        local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
+        remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
+    prefill._recving_transfers[rid] = []
+    done = prefill._pop_done_transfers(prefill._recving_transfers)
+    assert done == ({rid} - mismatched)
+    assert [prefill._failed_recv_reqs.get_nowait() for _ in range(prefill._failed_recv_reqs.qsize())] == sorted(mismatched)
+    meta = prefill.build_connector_worker_meta()
+    assert (meta.mismatched if meta else set()) == mismatched
+    assert not prefill.__dict__["_rendezvous_history_sums"]  # the offer's sums were found, and used once
