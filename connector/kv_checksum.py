@@ -170,8 +170,10 @@ class KvChecksums:
                   and info.remote_tp_size == self.world_size
                   and self.transfer_topo.block_size_ratio(info.remote_block_size) == 1
                   and info.remote_physical_blocks_per_logical == self._physical_blocks_per_logical_kv_block)
-        agent = (self._remote_agents.get(remote.engine_id) or {}).get(self.tp_rank)
-        if not paired or agent is None:
+        # vLLM keys a remote engine's agents by (pp rank, tp rank): ours is the same tp rank (tp sizes are equal).
+        agents = [name for key, name in (self._remote_agents.get(remote.engine_id) or {}).items()
+                  if (key[-1] if isinstance(key, tuple) else key) == self.tp_rank]
+        if not paired or not agents:
             return
         # Decode allocated only what it did not have cached: the blocks pair from the end.
         wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
@@ -180,7 +182,8 @@ class KvChecksums:
         if sums is None:
             return
         payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
-        self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
+        for agent in agents:
+            self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
 
     # ---------------------------------------------------------------- decode: sums of the history it offers
     def _do_send_reg_notif(self, req_id, reg_data):

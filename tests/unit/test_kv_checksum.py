@@ -45,7 +45,7 @@ class Upstream:
         self._failed_recv_reqs: queue.Queue = queue.Queue()
         self.notifs_sent: list[tuple[str, bytes]] = []
         self.nixl_wrapper = SimpleNamespace(send_notif=lambda agent, notif_msg: self.notifs_sent.append((agent, notif_msg)))
-        self._remote_agents = {"decode": {0: "decode-agent-0"}}
+        self._remote_agents = {"decode": {(0, 0): "decode-agent-0", (0, 1): "decode-agent-1"}}  # (pp rank, tp rank)
         info = SimpleNamespace(remote_tp_size=1, remote_block_size=16, remote_physical_blocks_per_logical=1)
         self.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info, block_size_ratio=lambda size: 1)
         self.peer: Upstream | None = None

@@ -208,6 +208,10 @@ def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
     assert finished.index("self._get_new_notifs()") < finished.index("self._pop_done_transfers(self._recving_transfers)")
     # Push: a completion notification makes an empty transfer entry, popped as done.
     assert "self._recving_transfers.setdefault(req_id, [])" in inspect.getsource(push_worker.NixlPushConnectorWorker._get_new_notifs)
+    # A remote engine's agents are keyed by (pp rank, tp rank).
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_worker
+
+    assert "self._remote_agents[dst_engine_id][(0, remote_rank)]" in inspect.getsource(pull_worker)
     # D->P: the registration decode sends carries the offer our scheduler added (connector.push_reuse).
     assert "notif_msg = PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data)" in inspect.getsource(
         push_worker.NixlPushConnectorWorker._do_send_reg_notif)
