@@ -43,7 +43,7 @@ from typing import Any
 from vllm.v1.request import RequestStatus
 
 from connector.push_reuse import ReuseScheduler, ReuseWorker
-from connector.stages import is_write_started
+from connector.side_notifs import SideRoutingQueue
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -202,17 +202,19 @@ class _PollWhileDue(threading.Event):
         return super().wait(timeout)
 
 
-class _WakingQueue(queue.Queue):
-    """Completion notifications forwarded by the writer thread; each one wakes the engine."""
+class _WakingQueue(SideRoutingQueue):
+    """Completion notifications forwarded by the writer thread; each one wakes the engine.
+    Ours go aside (``connector.side_notifs``) and wait for the next step."""
 
     def __init__(self, wake, writer):
         super().__init__()
         self._wake, self._writer = wake, writer
 
     def put(self, item, block=True, timeout=None):
+        if self.put_aside(item):
+            return
         super().put(item, block, timeout)
-        # The main thread re-queues some; a WRITE's start stamp waits for the next step.
-        if threading.current_thread() is self._writer() and not is_write_started(item):
+        if threading.current_thread() is self._writer():  # the main thread re-queues some
             self._wake()
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 from collections import OrderedDict
 
 import msgspec
@@ -43,12 +42,12 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY, ReuseOffers
+from connector.push_reuse import OFFER_KEY, ReuseOffers
+from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
 from connector.stages import DecodeKvStamps, KvFailure, StampSender
 
 logger = logging.getLogger("vllm.rendezvous")
 
-KV_SUMS_NOTIF = b"rdv-kv-sums:"
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
 FAULTS = ("flip", "shift", "flip-history")
@@ -232,23 +231,13 @@ class KvChecksums:
     # ---------------------------------------------------------------- decode: keep the sums, check what landed
     def _get_new_notifs(self) -> set[str]:
         expected = self._expected()
-        kept = []
-        while True:
-            try:
-                notif = self._pending_completion_notifs.get_nowait()
-            except queue.Empty:
-                break
-            if not notif.startswith(KV_SUMS_NOTIF):
-                kept.append(notif)
-                continue
+        for notif in take(self._pending_completion_notifs, KV_SUMS_NOTIF):
             try:
                 sums = msgspec.msgpack.decode(notif[len(KV_SUMS_NOTIF):], type=KvSums)
             except msgspec.DecodeError:
                 logger.warning("malformed KV sums notification dropped")
                 continue
             expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
-        for notif in kept:
-            self._pending_completion_notifs.put(notif)
         return super()._get_new_notifs()
 
     def _pop_done_transfers(self, transfers):

@@ -42,13 +42,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 
 from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReason, ReuseReport, is_prefill_leg, kv_bytes_per_token, reusable_tokens
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
+from connector.side_notifs import HISTORY_READ_ID, take
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
 OFFER_KEY = "rendezvous_history"  # added to a conversation turn's push registration
-# Names the READ in the notification NIXL delivers to decode; decode drops it (the
-# offered blocks are held by the decode request itself, nothing to release).
-HISTORY_READ_ID = "rdv-history-read"
+# HISTORY_READ_ID (connector.side_notifs) names the READ in the notification NIXL delivers to
+# decode; decode drops it (the offered blocks are held by the decode request itself).
 _READING = "_rendezvous_reading"  # prefill request params: tokens it decided to load
 _OFFER_TTL_S = 120.0  # offers nobody claimed (the prefill leg never came) are dropped
 
@@ -244,15 +244,5 @@ class ReuseWorker(DeadlineWorker):
             self._handle_failed_transfer(rid, None)
 
     def _get_new_notifs(self) -> set[str]:
-        ours = HISTORY_READ_ID.encode()
-        kept = []
-        while True:
-            try:
-                notif = self._pending_completion_notifs.get_nowait()
-            except queue.Empty:
-                break
-            if not notif.startswith(ours):
-                kept.append(notif)
-        for notif in kept:
-            self._pending_completion_notifs.put(notif)
+        take(self._pending_completion_notifs, HISTORY_READ_ID.encode())  # decode: nothing to do for them
         return super()._get_new_notifs()

@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import os
-import queue
 import socket
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from enum import Enum
 from typing import Any
 
 from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg
+from connector.side_notifs import WRITE_STARTED_NOTIF, take
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -161,12 +161,8 @@ class StageClock:
         return delay, params
 
 
-# Push: prefill worker -> decode workers, just before the WRITE: b"<prefix><time>:<decode's request id>".
-WRITE_STARTED_NOTIF = b"rdv-write-started:"
-
-
-def is_write_started(notif: bytes) -> bool:
-    return notif.startswith(WRITE_STARTED_NOTIF)
+# Push: prefill worker -> decode workers, just before the WRITE: b"<prefix><time>:<decode's request id>"
+# (WRITE_STARTED_NOTIF, from connector.side_notifs).
 
 
 def write_started_notif(decode_request_id: str, at: float) -> bytes:
@@ -196,18 +192,9 @@ class WriteClock:
         return super()._xfer_blocks_for_req(req_id, meta)
 
     def _get_new_notifs(self) -> set[str]:
-        kept = []
-        while True:
-            try:
-                notif = self._pending_completion_notifs.get_nowait()
-            except queue.Empty:
-                break
-            if not is_write_started(notif):
-                kept.append(notif)
-            elif (stamps := parse_write_started(notif)) is not None:
+        for notif in take(self._pending_completion_notifs, WRITE_STARTED_NOTIF):
+            if (stamps := parse_write_started(notif)) is not None:
                 self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(stamps)
-        for notif in kept:
-            self._pending_completion_notifs.put(notif)
         return super()._get_new_notifs()
 
 

@@ -267,7 +267,7 @@ def test_32_concurrent_mixed_requests_are_all_correct(client, reference):
     assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
 
 
-@pytest.mark.parametrize("fault", kv_checksum.FAULTS)
+@pytest.mark.parametrize("fault", ["flip", "shift"])
 def test_pushed_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(client, reference, fault):
     """connector.kv_checksum: prefill's sums of what it WRITEs against what landed. With a byte flipped
     after landing (a bad transport) or every block written into its neighbour's slot (a mapping error),

@@ -139,19 +139,25 @@ def test_the_writer_thread_polls_only_while_pushed_kv_is_due():
     assert event.wait() is True  # untimed again: only a wake ends it
 
 
-def test_the_writer_threads_notifications_wake_the_engine_but_a_write_start_stamp_does_not():
+def test_the_writer_threads_notifications_wake_the_engine_and_ours_go_aside_without_waking_it():
+    """vLLM parses every notification in the queue as "<request id>:<tp size>": ours (connector.side_notifs)
+    never enter it, so no read of the queue can race the writer thread into handing vLLM one of ours."""
     from connector.idle_wait import _WakingQueue
+    from connector.side_notifs import KV_SUMS_NOTIF, WRITE_STARTED_NOTIF, take
     from connector.stages import write_started_notif
 
     wakes, writer = [], threading.current_thread()
     notifs = _WakingQueue(lambda: wakes.append(1), lambda: writer)
     notifs.put(write_started_notif("chatcmpl-rdv-1", 1.0))  # read at the next step; waking for it costs a step
-    assert wakes == []
+    notifs.put(KV_SUMS_NOTIF + b"\x83\xa1")  # not UTF-8: vLLM's parser would raise
+    assert wakes == [] and notifs.qsize() == 0
     notifs.put(b"chatcmpl-rdv-1:1")  # pushed KV landed
-    assert wakes == [1] and notifs.qsize() == 2
+    assert wakes == [1] and notifs.qsize() == 1
     writer = None  # the main thread re-queueing what it kept: no wake
     notifs.put(b"chatcmpl-rdv-2:1")
     assert wakes == [1]
+    assert len(take(notifs, WRITE_STARTED_NOTIF)) == 1 and take(notifs, WRITE_STARTED_NOTIF) == []
+    assert take(notifs, KV_SUMS_NOTIF) == [KV_SUMS_NOTIF + b"\x83\xa1"]
 
 
 def test_stack_self_finds_the_nearest_matching_caller():

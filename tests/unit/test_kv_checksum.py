@@ -17,7 +17,8 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
 from connector import kv_checksum
-from connector.kv_checksum import KV_SUMS_NOTIF, KvChecksums, mismatches
+from connector.kv_checksum import KvChecksums, mismatches
+from connector.side_notifs import KV_SUMS_NOTIF, SideRoutingQueue
 
 LAYERS, BLOCKS, BLOCK_ELEMS = 3, 8, 64
 
@@ -38,7 +39,7 @@ class Upstream:
                 for block in range(BLOCKS):
                     rows.append((cache[half, block].data_ptr(), BLOCK_ELEMS * 4, 0))
         self.src_blocks_data, self.num_regions, self.num_blocks = np.array(rows, dtype=np.int64), LAYERS * 2, BLOCKS
-        self._pending_completion_notifs: queue.Queue = queue.Queue()
+        self._pending_completion_notifs: queue.Queue = SideRoutingQueue()
         self._recving_transfers: dict[str, list] = {}
         self._recving_metadata: dict[str, SimpleNamespace] = {}
         self._invalid_block_ids: queue.Queue = queue.Queue()
@@ -209,7 +210,8 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     (tmp_path / "fault").write_text(fault)
     monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
     monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
-    from connector.push_reuse import HISTORY_READ_ID, OFFER_KEY
+    from connector.push_reuse import OFFER_KEY
+    from connector.side_notifs import HISTORY_READ_ID
 
     decode, prefill = Worker("decode", seed=5), Worker("prefill", seed=6)
     offered = [3, 1, 4]

@@ -257,16 +257,15 @@ def test_prefill_tells_decode_when_its_write_starts_and_decode_tells_its_replica
     """connector.stages.WriteClock: the prefill worker notifies every agent of decode's engine just
     before the WRITE; decode's worker turns that notification into a stamp for its replica and
     hands vLLM only the notifications that are vLLM's."""
-    import queue
-
     import connector.stages as stages
+    from connector.side_notifs import WRITE_STARTED_NOTIF, SideRoutingQueue
 
     monkeypatch.setenv(stages.STAMPS_PID_ENV, str(stages.os.getpid()))  # this process plays the replica
 
     class Upstream:
         def __init__(self):
-            self._remote_agents = {"decode-engine": {0: "agent-0", 1: "agent-1"}}
-            self._pending_completion_notifs = queue.Queue()
+            self._remote_agents = {"decode-engine": {(0, 0): "agent-0", (0, 1): "agent-1"}}
+            self._pending_completion_notifs = SideRoutingQueue()
             self.sent, self.written, self.vllm_saw = [], [], []
             self.nixl_wrapper = SimpleNamespace(send_notif=lambda agent, notif_msg: self.sent.append((agent, notif_msg)))
 
@@ -291,7 +290,7 @@ def test_prefill_tells_decode_when_its_write_starts_and_decode_tells_its_replica
         heard = []
         sock = stages.listen_for_decode_stamps(heard.append)
         decode = Worker()
-        for notif in (prefill.sent[0][1], b"chatcmpl-rdv-3-abc:1", stages.WRITE_STARTED_NOTIF + b"garbage"):
+        for notif in (prefill.sent[0][1], b"chatcmpl-rdv-3-abc:1", WRITE_STARTED_NOTIF + b"garbage"):
             decode._pending_completion_notifs.put(notif)
         decode._get_new_notifs()
         for _ in range(100):
