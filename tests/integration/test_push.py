@@ -581,6 +581,7 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
                     pending |= {pool.submit(send, next(ids)) for _ in done}
             sustained = answered / (time.monotonic() - started)
 
+    assert sustained > 0, "nothing was answered while calibrating"
     rate, out = OVERLOAD_FACTOR * sustained, tmp_path / "overload.jsonl"
     subprocess.run(
         [sys.executable, "-m", "bench.openloop", "--base-url", BASE_URL, "--path", "/v1/completions",
