@@ -44,7 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
-from connector.stages import DecodeKvStamps, KvFailure, StampSender
+from connector.stages import DecodeKvStamps, KvFailure, send_stamps
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -259,8 +259,7 @@ class KvChecksums:
             if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
                 self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
             else:  # decode: its replica counts the request (prefill="kv_mismatch")
-                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(
-                    DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
+                send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
         return done
 
     def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:

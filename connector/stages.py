@@ -98,7 +98,7 @@ def _stamps_target() -> bytes:
 
 
 class StampSender:
-    """One non-blocking datagram socket per process side (scheduler, worker)."""
+    """A non-blocking datagram socket to the serving replica, opened on first use."""
 
     def __init__(self) -> None:
         self._socket: socket.socket | None = None
@@ -113,6 +113,10 @@ class StampSender:
             pass
 
 
+# One per engine process: the scheduler and the worker (and its writer thread) all send through it.
+send_stamps = StampSender().send
+
+
 class StageClock:
     """Mixin for the connector scheduler (push or pull, either role); put before vLLM's class."""
 
@@ -120,8 +124,7 @@ class StageClock:
         # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
         # requested: decode request -> blocks allocated for remote KV.
         # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
-        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {},
-                                                                    "sender": StampSender()})
+        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {}})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
@@ -145,9 +148,9 @@ class StageClock:
                 timeout_s = getattr(self, "_kv_timeout_s", None)  # push's deadline (connector.push_deadline)
                 past_deadline = timeout_s is not None and now >= at + timeout_s - _DEADLINE_SLACK_S
                 failure = KvFailure.DEADLINE if past_deadline else KvFailure.FAILED
-                state["sender"].send(DecodeKvStamps(request_id, requested=at, failed=failure.value))
+                send_stamps(DecodeKvStamps(request_id, requested=at, failed=failure.value))
             else:
-                state["sender"].send(DecodeKvStamps(request_id, requested=at, landed=now))
+                send_stamps(DecodeKvStamps(request_id, requested=at, landed=now))
 
     def request_finished(self, request, block_ids):
         state = self._state()
@@ -194,7 +197,7 @@ class WriteClock:
     def _get_new_notifs(self) -> set[str]:
         for notif in take(self._pending_completion_notifs, WRITE_STARTED_NOTIF):
             if (stamps := parse_write_started(notif)) is not None:
-                self.__dict__.setdefault("_rendezvous_stamp_sender", StampSender()).send(stamps)
+                send_stamps(stamps)
         return super()._get_new_notifs()
 
 
