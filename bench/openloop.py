@@ -27,6 +27,23 @@ class Outcome:
     retry_after: str | None
     response: Any  # the JSON body, or its text if it is not JSON (a stream's events)
     first_byte_s: float | None = None  # request sent -> the first byte of the body (a stream's first event)
+    client_stall_s: float = 0.0  # how long this client's loop was stalled while the request was out
+    sent_s: float = 0.0  # when it was sent, from the first arrival
+
+
+class StallClock:
+    """How far behind its schedule this process's event loop ran, summed: a task that asks to
+    wake every ``tick_s`` and adds up how late each wake-up came (beyond ``tick_s``)."""
+
+    def __init__(self, tick_s: float = 0.02) -> None:
+        self.tick_s, self.total_s = tick_s, 0.0
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(self.tick_s)
+            self.total_s += max(0.0, loop.time() - asked - 2 * self.tick_s)  # one tick of slack: timer granularity
 
 
 def body_for(template: dict, index: int) -> dict:
@@ -34,8 +51,9 @@ def body_for(template: dict, index: int) -> dict:
     return json.loads(json.dumps(template).replace("{i}", str(index)))
 
 
-async def _one(session, path: str, body: dict, index: int) -> Outcome:
-    started = time.monotonic()
+async def _one(session, path: str, body: dict, index: int, stalls: StallClock, origin: float) -> Outcome:
+    started, stalled = time.monotonic(), stalls.total_s
+    sent = started - origin
     try:
         async with session.post(path, json=body) as r:
             chunks, first = [], None
@@ -45,12 +63,13 @@ async def _one(session, path: str, body: dict, index: int) -> Outcome:
             text = b"".join(chunks).decode(errors="replace")
             latency, status, retry_after = time.monotonic() - started, r.status, r.headers.get("retry-after")
     except Exception as exc:  # noqa: BLE001 - recorded, a lost request for the caller to judge
-        return Outcome(index, 0, time.monotonic() - started, None, f"{type(exc).__name__}: {exc}")
+        return Outcome(index, 0, time.monotonic() - started, None, f"{type(exc).__name__}: {exc}",
+                       client_stall_s=stalls.total_s - stalled, sent_s=sent)
     try:
         response = json.loads(text)
     except ValueError:
         response = text
-    return Outcome(index, status, latency, retry_after, response, first)
+    return Outcome(index, status, latency, retry_after, response, first, stalls.total_s - stalled, sent)
 
 
 async def offer(
@@ -64,13 +83,18 @@ async def offer(
     rng, tasks = random.Random(seed), []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        stalls = StallClock()
+        clock = asyncio.create_task(stalls.run())
         start = next_at = time.monotonic()
         while next_at < start + seconds:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             index = first_index + len(tasks)
-            tasks.append(asyncio.create_task(_one(session, path, body_for(template, index), index)))
+            tasks.append(asyncio.create_task(_one(session, path, body_for(template, index), index, stalls, start)))
             next_at += rng.expovariate(rate)
-        return list(await asyncio.gather(*tasks))
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            clock.cancel()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,7 @@ from tests.integration.cases import (
 )
 from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
 from tests.integration.reference import app_args
-from tests.integration.conftest import Client, running_app
+from tests.integration.conftest import Client, running_app, wait_until_idle
 from tests.integration.prometheus import prometheus_scraping
 from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
@@ -366,29 +366,6 @@ def test_load_step_writes_well_formed_results(client, tmp_path):
 # --------------------------------------------------------------------------- faults
 
 
-_IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
-
-
-def _wait_until_idle(client, roles: tuple[str, ...], timeout_s: float) -> None:
-    """Wait until every engine of ``roles`` last reported no request and no KV block held.
-
-    Ray exports an engine's gauges only while the engine sets them, i.e. while it steps:
-    an engine that went idle stops reporting a few seconds later. So this keeps the
-    latest value each role reported instead of asking one scrape for all roles at once
-    (a role that went idle early may have vanished before another one got there)."""
-    latest: dict[str, dict[str, float]] = {role: {} for role in roles}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = client.metrics.snapshot()
-        for role in roles:
-            latest[role].update({key: snap[role][key] for key in _IDLE_GAUGES if key in snap.get(role, {})})
-        busy = {role: values for role, values in latest.items() if [values.get(k) for k in _IDLE_GAUGES] != [0.0] * 3}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
-        time.sleep(0.5)
-
-
 def _requests_by_prefill_path(client) -> Counter:
     return counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")
 
@@ -406,7 +383,7 @@ def test_client_disconnects_mid_stream_abort_both_legs_and_free_their_kv(client,
     with cf.ThreadPoolExecutor(32) as pool:
         assert all(pool.map(first_chunk_then_hang_up, range(32)))
     # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
-    _wait_until_idle(client, ("prefill", "decode"), timeout_s=60)
+    wait_until_idle(client, ("prefill", "decode"), timeout_s=60)
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
@@ -446,7 +423,7 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
             os.kill(pid, signal.SIGCONT)
     # First, while the engines still report: Ray exports a gauge only while it is being set,
     # so an engine that has been idle for a while reports nothing at all.
-    _wait_until_idle(client, ("prefill", "decode"), timeout_s=handoff.kv_timeout_s + 30)
+    wait_until_idle(client, ("prefill", "decode"), timeout_s=handoff.kv_timeout_s + 30)
     assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
     deadline = time.monotonic() + 30
     while (grown := _requests_by_prefill_path(client) - before)["fallback"] < 2 and time.monotonic() < deadline:
@@ -591,13 +568,15 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
     )
     # Nothing admitted, expired or hung up on is left running or holding KV (checked at once: an idle
     # engine stops reporting its gauges a few seconds later).
-    _wait_until_idle(client, ("prefill", "decode"), timeout_s=90)
+    wait_until_idle(client, ("prefill", "decode"), timeout_s=90)
     results = [json.loads(line) for line in out.read_text().splitlines()]
 
     statuses = Counter(r["status"] for r in results)
     assert set(statuses) <= {200, 429, 503}, [str(r["response"])[:200] for r in results if r["status"] not in (200, 429, 503)]
     accepted = [r for r in results if r["status"] == 200]
-    rejected = sorted(r["latency_s"] for r in results if r["status"] == 429)
+    # A rejection's time, less what the client's own loop was stalled meanwhile (bench.openloop:
+    # on 2 cores the client is starved at times; an answer it reads late is not a slow server).
+    rejected = sorted(max(0.0, r["latency_s"] - r["client_stall_s"]) for r in results if r["status"] == 429)
     assert accepted and rejected, statuses
     for r in results:
         if r["status"] == 429:
@@ -613,16 +592,20 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
     assert not bad, f"tokens more than 1 nat below the reference argmax: {bad}"
 
     p99 = rejected[min(len(rejected) - 1, int(0.99 * len(rejected)))]
+    stalls = [r["client_stall_s"] for r in results]
     answer_s = sorted(r["latency_s"] for r in accepted)
     first_s = sorted(r["first_byte_s"] for r in accepted)
     print(f"overload: {sustained:.2f} req/s sustained, {rate:.2f} req/s offered for {OVERLOAD_S} s: "
           f"{len(accepted)} answered (first event median {first_s[len(first_s) // 2]:.1f} s, p99 "
           f"{first_s[min(len(first_s) - 1, int(0.99 * len(first_s)))]:.1f} s; answer median "
           f"{answer_s[len(answer_s) // 2]:.1f} s), {len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s), "
-          f"{statuses[503]} given up at the queue deadline")
+          f"{statuses[503]} given up at the queue deadline; the client was stalled {max(stalls):.2f} s at most")
     # The issue's target is a p99 under 1 s (README, Admission). Not asserted as such (a slower box is
     # not a defect); what must hold anywhere: a rejection does not wait behind the work it was refused for.
-    assert p99 < answer_s[len(answer_s) // 2] / 4, f"p99 of rejections {p99:.2f} s"
+    slowest = sorted((r for r in results if r["status"] == 429), key=lambda r: r["latency_s"] - r["client_stall_s"])[-5:]
+    assert p99 < answer_s[len(answer_s) // 2] / 4, (
+        f"p99 of rejections {p99:.2f} s; the slowest (sent at s, took s, client stalled s): "
+        f"{[(round(r['sent_s'], 2), round(r['latency_s'], 2), round(r['client_stall_s'], 2)) for r in slowest]}")
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 

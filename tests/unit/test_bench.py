@@ -686,6 +686,29 @@ def test_openloop_sends_unique_bodies_at_poisson_arrivals_and_records_every_answ
     assert all(o.retry_after == "1" and o.response == "busy" for o in outcomes if o.status == 429)
     assert all(isinstance(o.response, dict) for o in outcomes if o.status == 200)
     assert all(o.latency_s >= 0 for o in outcomes)
+    assert [o.sent_s for o in outcomes] == sorted(o.sent_s for o in outcomes) and outcomes[-1].sent_s < 0.5
+
+
+def test_openloop_counts_how_long_its_own_loop_was_stalled():
+    """A request that was out while the client's loop was blocked is charged the stall, one that
+    was answered before it is not (so a slow client is not read as a slow server)."""
+    import asyncio
+    import time
+
+    from bench.openloop import StallClock
+
+    async def run():
+        stalls = StallClock()
+        clock = asyncio.create_task(stalls.run())
+        await asyncio.sleep(0.1)
+        quiet = stalls.total_s
+        time.sleep(0.5)  # the loop is blocked, as when the process is not scheduled
+        await asyncio.sleep(0.1)
+        clock.cancel()
+        return quiet, stalls.total_s
+
+    quiet, total = asyncio.run(run())
+    assert quiet < 0.05 and 0.4 < total < 0.6, (quiet, total)
 
 
 def test_timeline_report_from_log_lines(tmp_path):
