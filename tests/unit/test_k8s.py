@@ -37,6 +37,7 @@ from deploy.checks import (
 )
 from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
 from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
+from tests.unit.test_images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
@@ -523,10 +524,11 @@ def test_ray_version_is_the_same_everywhere():
     assert re.search(rf'"ray\[serve\]=={re.escape(ray_version)}"', (REPO / "pyproject.toml").read_text())
     base = yaml.safe_load((REPO / "k8s" / "base" / "rayservice.yaml").read_text())
     assert base["spec"]["rayClusterConfig"]["rayVersion"] == ray_version
-    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
-    (base_image,) = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.M)
-    assert base_image == f"rayproject/ray:{ray_version}-py311-gpu"
-    assert re.search(r'pip install[^\n]*"\.\[gpu\]"', dockerfile)
+    # The images: Ray's own for GPUs (Python 3.11, the version the project is developed and tested on),
+    # Ray installed on the Neuron SDK for Trainium. tests/unit/test_images.py checks their other pins.
+    assert re.fullmatch(rf"rayproject/ray:{re.escape(ray_version)}-py311-cu\d+", base_image(GPU_DOCKERFILE))
+    assert re.search(r'pip install[^\n]*"\.\[gpu\]"', GPU_DOCKERFILE.read_text())
+    assert build_args(NEURON_DOCKERFILE)["RAY_VERSION"] == ray_version
 
 
 def test_docs_name_only_files_that_exist():

