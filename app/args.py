@@ -155,9 +155,9 @@ class IngressArgs(_Strict):
         "Set it to your SLO; 30 s is a common client timeout."
     )
     queue_deadline_s: float | None = Field(
-        60.0, gt=0, description="A streamed request with no first chunk this long after it was admitted is answered 503 "
-        "with Retry-After and aborted on every engine. Streams only: a whole (non-streamed) answer shows no first token "
-        "to the ingress, and its generation may rightly take longer. null: no deadline."
+        60.0, gt=0, description="A request whose first token is not out this long after it was admitted is answered 503 "
+        "with Retry-After and aborted on every engine (streams: no first chunk at the ingress; whole answers: the decode "
+        "replica asks its engine, app/queue_deadline.py). A request that started runs to its end. null: no deadline."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 without an estimate, and of a 503 at the queue deadline.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")

@@ -114,6 +114,9 @@ class Handoff:
         except TimeoutError:
             prefill.cancel()  # prefill holds no decode resources in pull: dropping it is clean
             raise HandoffFailed(f"prefill did not answer within {self.timeout_s:g} s") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            prefill.cancel()  # the client hung up or the queue deadline passed: prefill stops too
+            raise
         if isinstance(answer, ErrorResponse):
             yield answer
             return
@@ -162,7 +165,7 @@ class Handoff:
         decode = await self._engine(method, decode_request, raw_request_info)
         chunks = decode.__aiter__()
         next_chunk = asyncio.ensure_future(chunks.__anext__())
-        deadline = time.monotonic() + self.timeout_s
+        deadline, abandoned = time.monotonic() + self.timeout_s, False
         try:
             while not next_chunk.done():
                 if prefill.done():
@@ -185,6 +188,9 @@ class Handoff:
                 yield chunk
             # Let the prefill response complete here: Serve's router counts it done then.
             await asyncio.wait({prefill}, timeout=self.timeout_s)
+        except (asyncio.CancelledError, GeneratorExit):
+            abandoned = True  # the client hung up, or the request's queue deadline passed (app.queue_deadline)
+            raise
         finally:
             if not next_chunk.done():
                 next_chunk.cancel()
@@ -192,10 +198,16 @@ class Handoff:
                     await next_chunk
             with contextlib.suppress(BaseException):
                 await decode.aclose()  # aborts the engine request if it is still running
-            if not prefill.done():
-                # Late, not cancelled: its WRITE is what releases the blocks decode
-                # registered for this request (vLLM frees an aborted decode request's
-                # blocks only once its KV has arrived).
+            if not prefill.done() and abandoned:
+                # Nobody waits for the answer: prefill stops computing it. The blocks decode
+                # registered for it are freed at the registration's expiry (handoff.kv_timeout_s;
+                # prefill never WRITEs that late: connector/push_deadline.py).
+                prefill_resp.cancel()
+                prefill.cancel()
+            elif not prefill.done():
+                # Late, not cancelled: decode falls back to computing the prompt itself, and the
+                # WRITE is what releases the blocks it registered (vLLM frees an aborted decode
+                # request's blocks only once its KV has arrived) well before their expiry.
                 self.late_prefills.add(prefill)
                 prefill.add_done_callback(self.late_prefills.discard)
 

@@ -3,7 +3,7 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control
 (``app.admission``: by expected time to first byte against ``ingress.ttft_slo_s``, under a hard
 ``max_in_flight``; a quick 429 with ``Retry-After`` instead of a queue that grows without bound),
-a queue deadline for streams (503 and aborted on every engine), a request size limit (413), late binding of the decode replica in pull mode
+a queue deadline (503 and aborted on every engine; ``app.queue_deadline``), a request size limit (413), late binding of the decode replica in pull mode
 (``app.late_binding``), one retry of a request whose decode replica died before its
 first chunk, an error event (not a cut connection) ending a stream that failed after it
 started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
@@ -23,7 +23,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -38,6 +37,7 @@ from app.admission import Admission, Decision, Verdict
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
+from app.queue_deadline import QueueDeadline, QueueDeadlinePassed, QueueExpired, mark_queue_deadline
 from app.readiness import RETRY_AFTER_S, ReadinessProbe
 from app.timeline import ARRIVED, FIRST_CHUNK, RequestTimeline
 
@@ -180,15 +180,6 @@ def _busy_message(decision: Decision, admission: Admission) -> str:
     return f"server busy: {admission.max_in_flight} requests in flight on this replica; {retry}"
 
 
-@dataclass(frozen=True)
-class QueueDeadline:
-    """On ``request.state``: when an admitted stream with no first chunk is given up on."""
-
-    at: float
-    seconds: float
-    retry_after_s: int
-
-
 async def _prepare_body(request: Request, max_body_bytes: int) -> Response | None:
     """Check a generation request's body before the endpoint parses it, and move a body
     ``conversation_id`` into the header; an error response if the body cannot be served."""
@@ -292,6 +283,8 @@ class Ingress(OpenAiIngress):
             if isinstance(response, Prefilled):
                 prefilled = response  # the entry replica's answer ends here: it is no longer counted busy
                 continue
+            if isinstance(response, QueueExpired):
+                raise QueueDeadlinePassed(response.request_id)
             yield response
         if prefilled is not None:
             responses = super()._get_response(body=prefilled.attach_to(body), call_method=call_method, raw_request=raw_request)
@@ -303,20 +296,23 @@ class Ingress(OpenAiIngress):
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
         deadline = getattr(getattr(raw_request, "state", None), "rendezvous_deadline", None)
-        if deadline is None or not getattr(body, "stream", False):
+        if deadline is None:
             return await self._answer(body, call_method, raw_request)
+        if not getattr(body, "stream", False):
+            # A whole answer comes at its end: the decode replica, which can ask its engine, tells
+            # whether the request started by the deadline (app.queue_deadline).
+            mark_queue_deadline(body, deadline.at)
+            try:
+                return await self._answer(body, call_method, raw_request)
+            except QueueDeadlinePassed:
+                return _expired(raw_request, deadline, call_method, "no first token")
         calls = _CALLS.set([])
         try:
             return await asyncio.wait_for(self._answer(body, call_method, raw_request), max(0.0, deadline.at - time.time()))
         except asyncio.TimeoutError:
             for call in _CALLS.get():
                 call.cancel()  # the decode replica's request is cancelled, which aborts its engines' legs
-            raw_request.state.rendezvous_expired = True
-            metrics.expired().inc()
-            logger.warning("%s: no first chunk %g s after admission: answered 503 and aborted", call_method, deadline.seconds)
-            return openai_error(
-                503, f"the request did not start within the server's queue deadline ({deadline.seconds:g} s) and was "
-                f"aborted; retry after {deadline.retry_after_s} s", headers={"Retry-After": str(deadline.retry_after_s)})
+            return _expired(raw_request, deadline, call_method, "no first chunk")
         finally:
             _CALLS.reset(calls)
 
@@ -334,6 +330,15 @@ class Ingress(OpenAiIngress):
         if isinstance(response, StreamingResponse):
             response.body_iterator = ending_with_an_error_event(response.body_iterator, call_method)
         return response
+
+
+def _expired(raw_request: Request, deadline: QueueDeadline, call_method: str, what: str) -> Response:
+    raw_request.state.rendezvous_expired = True
+    metrics.expired().inc()
+    logger.warning("%s: %s %g s after admission: answered 503 and aborted", call_method, what, deadline.seconds)
+    return openai_error(
+        503, f"the request did not start within the server's queue deadline ({deadline.seconds:g} s) and was "
+        f"aborted; retry after {deadline.retry_after_s} s", headers={"Retry-After": str(deadline.retry_after_s)})
 
 
 # The decode deployment's calls made for the current request (only where a deadline may cancel them).

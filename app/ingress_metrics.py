@@ -41,7 +41,7 @@ def admitted() -> Counter:
 def expired() -> Counter:
     return Counter(
         "rendezvous_ingress_expired",
-        description="Admitted streams with no first chunk by ingress.queue_deadline_s: answered 503 and aborted.",
+        description="Admitted requests whose first token was not out by ingress.queue_deadline_s: answered 503 and aborted.",
     )
 
 

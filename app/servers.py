@@ -50,6 +50,7 @@ from app.decode_metrics import DecodeMetrics
 from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
+from app.queue_deadline import QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
 from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
@@ -247,6 +248,8 @@ class DecodeServer(PDDecodeServer):
             gen = self._handoff.remote_or_fallback(
                 with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
+        if not stream and (deadline := queue_deadline_of(request)) is not None:
+            gen = before_queue_deadline(gen, deadline, lambda: self._engine_started(request_id), request_id)
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost
@@ -254,7 +257,7 @@ class DecodeServer(PDDecodeServer):
         started, first = time.monotonic(), None
         try:
             async for chunk in gen:
-                if first is None and not isinstance(chunk, Prefilled):
+                if first is None and not isinstance(chunk, (Prefilled, QueueExpired)):
                     first = time.monotonic() - started
                     timeline.stamp(FIRST_TOKEN, time.time())
                     if (picked := prefill_picked_at(request_id)) is not None:
@@ -294,7 +297,13 @@ class DecodeServer(PDDecodeServer):
         return prompt_token_ids(self._tokenizer, request)
 
     def _vllm_config(self):
-        return getattr(getattr(self.engine, "_engine_client", None), "vllm_config", None)
+        return getattr(self._engine_client(), "vllm_config", None)
+
+    def _engine_client(self):
+        return getattr(self.engine, "_engine_client", None)
+
+    def _engine_started(self, request_id: str) -> bool:
+        return engine_has_started(getattr(self._engine_client(), "output_processor", None), request_id)
 
     def _max_model_len(self) -> int | None:
         return getattr(getattr(self._vllm_config(), "model_config", None), "max_model_len", None)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import yaml
 
+from bench.openloop import StallClock
 from bench.sweep import log, running_app
 
 ARMS = ("fixed", "adaptive")
@@ -58,6 +59,7 @@ class Outcome:
     latency_s: float  # sent -> complete, or -> given up
     abandoned: bool  # the client gave up (its timeout) before the answer was complete
     retry_after: str | None
+    client_stall_s: float = 0.0  # this client's own loop stalled while the request was out (bench.openloop)
 
 
 def _body(model: str, load: OverloadLoad, rng: random.Random, index: int) -> dict:
@@ -66,8 +68,9 @@ def _body(model: str, load: OverloadLoad, rng: random.Random, index: int) -> dic
             "max_tokens": load.output_len, "temperature": 0, "ignore_eos": True, "stream": True}
 
 
-async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float, index: int, t0: float) -> Outcome:
-    sent = time.monotonic()
+async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float, index: int, t0: float,
+               stalls: StallClock) -> Outcome:
+    sent, stalled = time.monotonic(), stalls.total_s
     status, first, retry_after = 0, None, None
     try:
         async with asyncio.timeout(load.client_timeout_s):
@@ -81,7 +84,8 @@ async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float,
         abandoned = True  # leaving the block closes the connection: the server sees a hang-up
     except Exception:  # noqa: BLE001 - a failed request, counted as status 0
         abandoned = False
-    return Outcome(arm, factor, index, sent - t0, status, first, time.monotonic() - sent, abandoned, retry_after)
+    return Outcome(arm, factor, index, sent - t0, status, first, time.monotonic() - sent, abandoned, retry_after,
+                   stalls.total_s - stalled)
 
 
 async def offer(url: str, model: str, load: OverloadLoad, arm: str, factor: float, rate: float) -> list[Outcome]:
@@ -90,13 +94,19 @@ async def offer(url: str, model: str, load: OverloadLoad, arm: str, factor: floa
     rng, tasks = random.Random(load.seed + int(factor * 100)), []
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        stalls = StallClock()
+        clock = asyncio.create_task(stalls.run())
         t0 = next_at = time.monotonic()
         while next_at < t0 + load.seconds:
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
             index = len(tasks)
-            tasks.append(asyncio.create_task(_one(session, _body(model, load, rng, index), load, arm, factor, index, t0)))
+            tasks.append(asyncio.create_task(_one(session, _body(model, load, rng, index), load, arm, factor, index, t0,
+                                                  stalls)))
             next_at += rng.expovariate(rate)
-        return list(await asyncio.gather(*tasks))
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            clock.cancel()
 
 
 async def sustained_rate(url: str, model: str, load: OverloadLoad) -> float:
@@ -131,7 +141,8 @@ def summarize(outcomes: list[Outcome], load: OverloadLoad) -> dict:
     ok = [o for o in outcomes if o.status == 200 and not o.abandoned]
     good = [o for o in ok if o.ttft_s is not None and o.ttft_s <= load.slo_s]
     admitted_ttft = [o.ttft_s for o in outcomes if o.status == 200 and o.ttft_s is not None]
-    rejected = [o.latency_s for o in outcomes if o.status == 429]
+    # A 429's time less what this client's own loop was stalled meanwhile: the server's part.
+    rejected = [max(0.0, o.latency_s - o.client_stall_s) for o in outcomes if o.status == 429]
     return {
         "offered": len(outcomes),
         "answered": len(ok),
@@ -144,6 +155,7 @@ def summarize(outcomes: list[Outcome], load: OverloadLoad) -> dict:
         "abandoned": sum(o.abandoned for o in outcomes),
         "abandoned_in_flight_s": sum(o.latency_s for o in outcomes if o.abandoned),
         "other_status": sorted({o.status for o in outcomes} - {200, 429, 503}),
+        "client_stall_max_s": max((o.client_stall_s for o in outcomes), default=0.0),
     }
 
 

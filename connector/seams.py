@@ -378,6 +378,17 @@ SEAMS: list[Seam] = [
          "read vllm_config: block size, max_model_len (eligibility), KV capacity (routing stats)", silent=True),
     Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "vllm_config", "instance", ("app/servers.py",),
          "read block size, max_model_len and KV capacity", silent=True),
+    # The queue deadline of whole answers: has the engine produced a request's first token? A rename
+    # reads as "cannot tell", which never aborts (app/queue_deadline.py logs it).
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "output_processor", "instance", ("app/servers.py",),
+         "ask whether a request's first token is out (queue deadline of whole answers)", silent=True),
+    *_each("vllm", "vllm.v1.engine.output_processor:OutputProcessor", ("request_states", "external_req_ids"), "instance",
+           ("app/queue_deadline.py",), "find a request's engine states by its external id (queue deadline)"),
+    Seam("vllm", "vllm.v1.engine.output_processor:RequestState", "is_prefilling", "instance", ("app/queue_deadline.py",),
+         "tell a request with its first token out from one still waiting (queue deadline)"),
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "generate", "method", ("app/queue_deadline.py",),
+         "abort a whole answer's engine request by cancelling the task that awaits it",
+         snippet="except (asyncio.CancelledError, GeneratorExit):\n            if q is not None:\n                await self.abort("),
     Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "_maybe_add_request_id_to_request", "behaviour",
          ("app/servers.py",), "reach both engines under our transfer id, not Serve's",
          checked_by=_T + "test_llm_server_keeps_an_explicitly_set_request_id"),

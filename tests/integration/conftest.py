@@ -5,6 +5,7 @@ one per test module, started the ways a user starts it (``make serve``, ``serve 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from pathlib import Path
 
@@ -131,3 +132,43 @@ def wait_until_idle(client, roles: tuple[str, ...], timeout_s: float) -> None:
             return
         assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
         time.sleep(0.5)
+
+
+class EngineGauges:
+    """The latest value of ``IDLE_GAUGES`` each role's engines reported, polled in the background
+    while the block runs (an engine that went idle stops reporting a few seconds later, so a check
+    made after a long step of a test must have been watching all along)."""
+
+    def __init__(self, client, roles: tuple[str, ...]):
+        self.client, self.roles = client, roles
+        self.latest: dict[str, dict[str, float]] = {role: {} for role in roles}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def __enter__(self) -> "EngineGauges":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                snap = self.client.metrics.snapshot()
+            except httpx.HTTPError:
+                continue
+            for role in self.roles:
+                self.latest[role].update({key: snap[role][key] for key in IDLE_GAUGES if key in snap.get(role, {})})
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """Until every role's last report is no request and no KV block held."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            busy = {role: dict(values) for role, values in self.latest.items()
+                    if [values.get(k) for k in IDLE_GAUGES] != [0.0] * 3}
+            if not busy:
+                return
+            assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
+            time.sleep(0.5)

@@ -13,21 +13,30 @@ import threading
 import time
 from collections import Counter
 
+import httpx
 import pytest
 
+from app.procs import BASE_URL
 from bench.engine_metrics import counted_by, delta, scrape, settle
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
-from tests.integration.cases import CASE_BY_NAME, CASES, assert_token_identical
-from tests.integration.conftest import app_client, with_args
+from bench.openloop import body_for
+from bench.profiles import app_args_of, load_config
+from tests.integration.cases import CASE_BY_NAME, CASES, Case, assert_token_identical, long_text, parse_generation
+from tests.integration.conftest import EngineGauges, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-1p2d.yaml"
 RETENTION_S = 30  # long enough for a turn on a slow CI box, short enough to wait out
 
 
+QUEUE_DEADLINE_S = 20.0  # short enough for a burst to outlast it, long enough for any single request here
+
+
 @pytest.fixture(scope="module")
 def client(log_dir):
-    yield from app_client(with_args(CONFIG, log_dir, conversations={"retention_s": RETENTION_S}), log_dir)
+    # No TTFT target: the burst of the queue-deadline test is admitted whole (max_in_flight is the rule).
+    ingress = {"queue_deadline_s": QUEUE_DEADLINE_S, "ttft_slo_s": None}
+    yield from app_client(with_args(CONFIG, log_dir, conversations={"retention_s": RETENTION_S}, ingress=ingress), log_dir)
 
 
 _HANDLED = ("ray_serve_deployment_request_counter_total", "ray_serve_deployment_error_counter_total")
@@ -192,6 +201,54 @@ def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
             if len(events) == 1:
                 os.kill(pid, signal.SIGKILL)
     return events
+
+
+def test_whole_answers_not_started_by_the_queue_deadline_are_503_and_aborted(client, reference):
+    """Non-streamed (app.queue_deadline): a long generation from a short prompt starts at once and
+    runs well past the queue deadline: it is answered in full. Then a burst of long prompts that the
+    one 2-core prefill engine needs minutes for: those whose first token is not out by the deadline
+    get 503 with Retry-After, are counted as expired and are aborted on every engine (afterwards no
+    engine holds a request or a KV block). Every 200 is correct (teacher forcing: batched)."""
+    long_run = Case("long-run", prompt="Count from one to one thousand:")
+    burst = Case("burst", prompt="Request {i}. " + long_text(240) + "\nWhich animal crossed river 3?")  # ~3k tokens
+    bodies = [(long_run, {**long_run.body(max_tokens=600), "ignore_eos": True})]
+    bodies += [(burst, body_for(burst.body(max_tokens=8), i)) for i in range(12)]
+    expired_before = _expired(client)
+
+    def post(item):
+        index, (case, body) = item
+        time.sleep(0 if index == 0 else 1.0)  # the long generation first: it starts before the burst arrives
+        sent = time.monotonic()
+        r = http.post("/v1/completions", json=body)
+        return case, r, time.monotonic() - sent
+
+    with EngineGauges(client, ("prefill", "decode")) as gauges:
+        with httpx.Client(base_url=BASE_URL, timeout=300) as http, cf.ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(post, enumerate(bodies)))
+        # Prefill drops the aborted legs at once; decode's blocks registered for them expire (handoff.kv_timeout_s).
+        gauges.wait_idle(timeout_s=app_args_of(load_config(CONFIG)).handoff.kv_timeout_s + 30)
+    statuses = Counter(r.status_code for _, r, _ in answers)
+    assert set(statuses) <= {200, 503}, [r.text[:200] for _, r, _ in answers if r.status_code not in (200, 503)]
+    _, first, took = answers[0]
+    assert first.status_code == 200 and took > QUEUE_DEADLINE_S, (
+        f"the long generation: {first.status_code} after {took:.1f} s (it started at once: it must run to its end)")
+    expired = [(r, took) for _, r, took in answers if r.status_code == 503]
+    assert expired, f"{dict(statuses)}: the burst should outlast the queue deadline"
+    for r, took in expired:
+        assert int(r.headers["retry-after"]) > 0 and "queue deadline" in r.json()["error"]["message"], r.text
+        assert QUEUE_DEADLINE_S - 1 < took < QUEUE_DEADLINE_S + 15, f"a 503 after {took:.1f} s"
+    generations = [parse_generation(case, r.json()) for case, r, _ in answers if r.status_code == 200]
+    gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])
+    assert all(max(g) <= 1.0 for g in gaps), f"tokens more than 1 nat below the reference argmax: {gaps}"
+    counted, waited = _expired(client) - expired_before, time.monotonic()
+    while counted < len(expired) and time.monotonic() - waited < 30:  # Ray exports metrics every few seconds
+        time.sleep(1)
+        counted = _expired(client) - expired_before
+    assert counted == len(expired), f"{len(expired)} answered 503 at the deadline, {counted} counted as expired"
+
+
+def _expired(client) -> float:
+    return sum(v for name, _, v in scrape(client.metrics.url) if name == "ray_rendezvous_ingress_expired_total")
 
 
 @pytest.mark.slow

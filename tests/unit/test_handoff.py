@@ -25,7 +25,10 @@ class _Prefill:
     """A prefill response stream: yields ``chunks`` after ``delay_s`` (never, if None)."""
 
     def __init__(self, delay_s: float | None, chunks=("p",), fail: bool = False):
-        self.delay_s, self.chunks, self.fail = delay_s, chunks, fail
+        self.delay_s, self.chunks, self.fail, self.cancelled = delay_s, chunks, fail, False
+
+    def cancel(self) -> None:  # as Serve's DeploymentResponseGenerator: cancels the call on the replica
+        self.cancelled = True
 
     async def __aiter__(self):
         await asyncio.sleep(3600 if self.delay_s is None else self.delay_s)
@@ -84,6 +87,33 @@ def test_a_prefill_that_never_finishes_fails_the_handoff_at_the_deadline():
     chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), _Prefill(None), None))
     assert chunks == [] and isinstance(error, HandoffFailed) and "0.3 s" in str(error)
     assert handoff.decode_closed == ["rdv-1"], "the decode leg must be aborted"
+
+
+def test_an_abandoned_push_handoff_cancels_its_prefill_leg_and_a_failed_one_keeps_it():
+    """Push: a consumer that goes away before the first chunk (a client hang-up, the queue
+    deadline) cancels the prefill leg too (decode's registered blocks expire on their own). A
+    handoff that failed (prefill too slow) keeps the leg: decode recomputes the prompt, and the
+    late WRITE frees decode's blocks sooner than their expiry."""
+    handoff, prefill = _handoff(decode_after_s=3600), _Prefill(None)
+
+    async def abandon():
+        task = asyncio.ensure_future(anext(handoff.concurrent_decode("completions", _decode_request(), prefill, None)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(abandon())
+    assert prefill.cancelled and not handoff.late_prefills and handoff.decode_closed == ["rdv-1"]
+
+    handoff, prefill = _handoff(decode_after_s=3600, timeout_s=0.05), _Prefill(None)
+
+    async def fail():
+        with pytest.raises(HandoffFailed):
+            await anext(handoff.concurrent_decode("completions", _decode_request(), prefill, None))
+        return len(handoff.late_prefills)
+
+    assert asyncio.run(fail()) == 1 and not prefill.cancelled
 
 
 @pytest.mark.parametrize("prefill", [_Prefill(0.01, chunks=(_error(500),)), _Prefill(0.01, fail=True)], ids=["error", "dead"])

@@ -329,14 +329,17 @@ def test_a_prefilled_answer_sends_the_request_through_the_decode_router_once_mor
     assert sent[0].kv_transfer_params is None
 
 
-def test_a_stream_with_no_first_chunk_by_the_queue_deadline_is_a_503_and_its_decode_call_is_cancelled(monkeypatch):
-    """Ingress: the deadline holds for streams only; the decode deployment's call made for the
-    request is cancelled (Serve then cancels it on the replica, which aborts its engines' legs)."""
+def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
+    """Ingress: a stream with no first chunk by the deadline: the decode deployment's call made for
+    the request is cancelled (Serve then cancels it on the replica, which aborts its engines' legs).
+    A whole answer carries the deadline to the decode replica, which answers QueueExpired if its
+    engine had not started it (app.queue_deadline): the same 503."""
     from types import SimpleNamespace
 
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress, QueueDeadline
+    from app.ingress import Ingress
+    from app.queue_deadline import QueueDeadline, QueueDeadlinePassed, queue_deadline_of
 
     class Call:
         cancelled = False
@@ -359,6 +362,8 @@ def test_a_stream_with_no_first_chunk_by_the_queue_deadline_is_a_503_and_its_dec
     async def upstream(self, body, call_method, raw_request=None):
         getattr(self._get_configured_serve_handle("m"), call_method).remote(body)
         await asyncio.sleep(0 if not body.stream else 30)  # a stream that never starts
+        if body.prompt == "late":
+            raise QueueDeadlinePassed("r1")  # what _get_response raises on the replica's QueueExpired
         return JSONResponse({"ok": True})
 
     monkeypatch.setattr(OpenAiIngress, "_process_llm_request", upstream)
@@ -367,14 +372,19 @@ def test_a_stream_with_no_first_chunk_by_the_queue_deadline_is_a_503_and_its_dec
         return SimpleNamespace(state=SimpleNamespace(rendezvous_deadline=QueueDeadline(time.time() + 0.2, 0.2, 3)))
 
     ingress = Ingress.__new__(Ingress)
-    stream, whole = request(), request()
-    expired = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True), "chat", stream))
-    answered = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=False), "chat", whole))
-    assert expired.status_code == 503 and expired.headers["retry-after"] == "3"
-    assert "queue deadline (0.2 s)" in json.loads(expired.body)["error"]["message"]
-    assert stream.state.rendezvous_expired is True and not hasattr(whole.state, "rendezvous_expired")
-    assert answered.status_code == 200  # a whole answer has no first chunk to wait for: no deadline
-    assert [call.cancelled for call in handle.calls] == [True, False]
+    stream, whole, late = request(), request(), request()
+    whole_body, late_body = SimpleNamespace(stream=False, prompt="p"), SimpleNamespace(stream=False, prompt="late")
+    expired = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True, prompt="p"), "chat", stream))
+    answered = asyncio.run(ingress._process_llm_request(whole_body, "chat", whole))
+    expired_whole = asyncio.run(ingress._process_llm_request(late_body, "chat", late))
+    for response in (expired, expired_whole):
+        assert response.status_code == 503 and response.headers["retry-after"] == "3"
+        assert "queue deadline (0.2 s)" in json.loads(response.body)["error"]["message"]
+    assert stream.state.rendezvous_expired is True and late.state.rendezvous_expired is True
+    assert answered.status_code == 200 and not hasattr(whole.state, "rendezvous_expired")
+    # The whole answers carried the deadline to the replica; only the stream's call was cancelled here.
+    assert queue_deadline_of(whole_body) == whole.state.rendezvous_deadline.at
+    assert [call.cancelled for call in handle.calls] == [True, False, False]
 
 
 def test_a_request_expected_to_miss_the_slo_gets_a_429_saying_so():

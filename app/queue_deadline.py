@@ -1,0 +1,104 @@
+"""The queue deadline for non-streamed requests (``ingress.queue_deadline_s``), on the decode replica.
+
+A stream's deadline is the ingress's alone: upstream returns a stream's response at its first
+chunk, so the ingress waits for that with a timeout. A non-streamed answer comes whole, at
+the end, so "has it started?" can only be told where its engine runs: the ingress writes
+the deadline into the request (``QUEUE_DEADLINE_FIELD``), and when it passes with no answer
+the decode replica asks its engine whether the request's first token is out. If not, the
+request is cancelled (the engine aborts it, the handoff its prefill leg) and ``QueueExpired``
+goes back in its place, which the ingress answers with the same 503 as a stream's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from connector.params import external_request_id
+
+logger = logging.getLogger("ray.serve.rendezvous.queue_deadline")
+
+# The request field that carries the deadline (epoch seconds) to the decode replica.
+QUEUE_DEADLINE_FIELD = "rendezvous_queue_deadline"
+
+
+@dataclass(frozen=True)
+class QueueDeadline:
+    """On the ingress's ``request.state``: when an admitted request that has not started is given up on."""
+
+    at: float
+    seconds: float
+    retry_after_s: int
+
+
+@dataclass(frozen=True)
+class QueueExpired:
+    """Decode replica -> ingress, instead of an answer: the request had not started by its deadline
+    and was aborted."""
+
+    request_id: str
+
+
+class QueueDeadlinePassed(Exception):
+    """Raised in the ingress when its decode replica answered ``QueueExpired``."""
+
+
+def mark_queue_deadline(request: Any, at: float) -> None:
+    try:
+        setattr(request, QUEUE_DEADLINE_FIELD, at)
+    except (AttributeError, TypeError, ValueError):  # a request type that takes no extra field: no deadline
+        pass
+
+
+def queue_deadline_of(request: Any) -> float | None:
+    at = getattr(request, QUEUE_DEADLINE_FIELD, None)
+    return at if isinstance(at, float) else None
+
+
+async def before_queue_deadline(
+    chunks: AsyncIterator[Any], at: float, started: Callable[[], bool], request_id: str
+) -> AsyncIterator[Any]:
+    """``chunks``; but if none has come by ``at`` and ``started()`` says the engine has not
+    produced a first token, they are cancelled and ``QueueExpired`` comes instead. A request
+    that has started by then runs to its end, however long."""
+    it = aiter(chunks)
+    first = asyncio.ensure_future(anext(it))
+    try:
+        done, _ = await asyncio.wait({first}, timeout=max(0.0, at - time.time()))
+        if not done and not started():
+            first.cancel()  # thrown into its await: AsyncLLM.generate aborts the engine request, the handoff its leg
+            try:
+                await first
+            except (asyncio.CancelledError, StopAsyncIteration):
+                pass
+            logger.warning("request %s: not started by its queue deadline: aborted", request_id)
+            yield QueueExpired(request_id)
+            return
+        try:
+            chunk = await first
+        except StopAsyncIteration:
+            return
+    finally:
+        if not first.done():
+            first.cancel()  # the caller went away while waiting
+    yield chunk
+    async for chunk in it:
+        yield chunk
+
+
+def engine_has_started(output_processor: Any, request_id: str) -> bool:
+    """Whether vLLM's engine (``AsyncLLM.output_processor``, in this process) has produced a first
+    token for our ``request_id`` (engine ids add an endpoint prefix and, for completions, an
+    index). False if the engine does not hold it (not yet sent, or still with prefill); True if
+    the engine cannot be read, so that a request is never aborted on a guess."""
+    try:
+        states, external = output_processor.request_states, output_processor.external_req_ids
+        internal = [i for key, ids in list(external.items()) if external_request_id(key) == request_id for i in ids]
+        return any(not states[i].is_prefilling for i in internal if i in states)
+    except AttributeError as exc:  # an upgraded vLLM (connector/seams.py lists these names)
+        logger.warning("cannot read the engine's request states (%r): the queue deadline is not enforced", exc)
+        return True
