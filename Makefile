@@ -28,7 +28,18 @@ $(PROMTOOL):
 	rm -f .tools/prometheus_*.deb
 	$(PROMTOOL) --version | head -1
 
-install: $(STAMP) $(PROMTOOL)
+# The Prometheus Operator's CRD schemas for PodMonitor and PrometheusRule, compiled into validators by the npm
+# package tests/unit/prometheus-operator/package.json pins (its README says from which operator release);
+# tests/unit/test_k8s.py runs them with node over k8s/monitoring. Installed into .tools/, as promtool is.
+PROM_CRDS_SRC := tests/unit/prometheus-operator
+PROM_CRDS := .tools/prometheus-operator/.installed
+$(PROM_CRDS): $(PROM_CRDS_SRC)/package.json $(PROM_CRDS_SRC)/package-lock.json
+	mkdir -p .tools/prometheus-operator
+	cp $^ .tools/prometheus-operator/
+	cd .tools/prometheus-operator && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
+	touch $@
+
+install: $(STAMP) $(PROMTOOL) $(PROM_CRDS)
 
 model: $(STAMP)
 	$(BIN)/python -c "from app.model_source import ensure_embedded_model as e; e()"
@@ -37,10 +48,10 @@ model: $(STAMP)
 serve: model
 	$(BIN)/python -m app.run $(CONFIG)
 
-test: model $(PROMTOOL)
+test: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests
 
-unit: $(STAMP) $(PROMTOOL)
+unit: $(STAMP) $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests/unit
 
 clean-procs:

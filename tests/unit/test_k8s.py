@@ -1,5 +1,6 @@
-"""k8s/ and deploy/: rendered manifests against KubeRay's CRD schemas, `kubectl kustomize`, and
-the serve configs they carry (no cluster, no processes but `kubectl kustomize`)."""
+"""k8s/ and deploy/: rendered manifests against KubeRay's and the Prometheus Operator's CRD schemas,
+`kubectl kustomize`, and the serve configs they carry (no cluster, no processes but `kubectl kustomize`
+and node for the Prometheus Operator's validators)."""
 
 from __future__ import annotations
 
@@ -161,6 +162,64 @@ def test_the_schema_check_is_not_vacuous():
     assert "'one' is not of type 'integer'" in errors
     assert "'template' is a required property" in errors
     assert "'lots'" in errors  # not a quantity
+
+
+# --------------------------------------------------------------------------- Prometheus Operator CRD schemas
+
+MONITORING = REPO / "k8s" / "monitoring"
+PROM_OPERATOR = REPO / "tests" / "unit" / "prometheus-operator"  # package.json, validate.mjs, README.md
+
+
+def _prometheus_operator_models() -> Path:
+    """Where `make install` put the npm package that holds the operator's CRD schemas (README.md there)."""
+    installed = REPO / ".tools" / "prometheus-operator"
+    if not (installed / "node_modules" / "@kubernetes-models" / "prometheus-operator").is_dir():
+        pytest.fail(f"the Prometheus Operator's CRD validators are not in {installed}: `make install` runs "
+                    "npm ci there for tests/unit/prometheus-operator/package.json")
+    return installed
+
+
+def prometheus_operator_errors(manifests: list[dict[str, Any]]) -> list[list[str]]:
+    """Per manifest, its errors against the PodMonitor / PrometheusRule CRD schema, unknown fields included."""
+    node = shutil.which("node")
+    if node is None:
+        pytest.fail("node is not installed (the Prometheus Operator's CRD validators are an npm package)")
+    done = subprocess.run([node, str(PROM_OPERATOR / "validate.mjs"), str(_prometheus_operator_models())],
+                          input=json.dumps(manifests), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    (pinned,) = json.loads((PROM_OPERATOR / "package.json").read_text())["dependencies"].values()
+    assert result["version"] == pinned, f"installed {result['version']}, pinned {pinned}: run `make install`"
+    return result["errors"]
+
+
+def test_monitoring_manifests_are_valid():
+    manifests = build(MONITORING)
+    assert sorted((m["apiVersion"], m["kind"]) for m in manifests) == [
+        ("monitoring.coreos.com/v1", "PodMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")]
+    for manifest, errors in zip(manifests, prometheus_operator_errors(manifests), strict=True):
+        assert DNS_1123.match(manifest["metadata"]["name"]), manifest["metadata"]["name"]
+        assert errors == [], f"{manifest['kind']}:\n" + "\n".join(errors)
+
+
+def test_the_monitoring_schema_check_is_not_vacuous():
+    monitor, rule = (copy.deepcopy(next(m for m in build(MONITORING) if m["kind"] == kind))
+                     for kind in ("PodMonitor", "PrometheusRule"))
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    endpoint["interval"] = 15  # wrong type
+    endpoint["scrapeInterval"] = "15s"  # unknown field
+    del monitor["spec"]["selector"]  # required
+    alert = rule["spec"]["groups"][0]["rules"][0]
+    alert["for"] = "2 minutes"  # not a Prometheus duration
+    alert["severity"] = alert["labels"].pop("severity")  # a label put beside the rule: unknown field
+    monitor_errors, rule_errors = map("\n".join, prometheus_operator_errors([monitor, rule]))
+    assert "spec/podMetricsEndpoints/0/interval: must be string" in monitor_errors
+    assert "spec/podMetricsEndpoints/0: 'scrapeInterval' was unexpected" in monitor_errors
+    assert "spec: must have required property selector" in monitor_errors
+    assert "spec/groups/0/rules/0/for: must match pattern" in rule_errors
+    assert "spec/groups/0/rules/0: 'severity' was unexpected" in rule_errors
+    assert prometheus_operator_errors([{"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor"}]) == [
+        [": no schema for monitoring.coreos.com/v1 ServiceMonitor"]]
 
 
 # --------------------------------------------------------------------------- serveConfigV2
@@ -394,7 +453,7 @@ def _key(manifest):
     return manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]
 
 
-@pytest.mark.parametrize("tree", ["base", *(f"overlays/{o}" for o in OVERLAYS)])
+@pytest.mark.parametrize("tree", ["base", *(f"overlays/{o}" for o in OVERLAYS), "monitoring"])
 def test_render_builds_k8s_as_kustomize_does(tree):
     result = subprocess.run([*kustomize_command(), str(REPO / "k8s" / tree)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
