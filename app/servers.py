@@ -50,10 +50,10 @@ from app.decode_metrics import DecodeMetrics
 from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
 from app.late_binding import Prefilled
-from app.queue_deadline import QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
 from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
+from app.queue_deadline import QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
 from app.routing import PublishedLoad
 from app.timeline import (
     DECODE_PICKED,

@@ -4,12 +4,18 @@ Under overload a client's own delays must not be counted as the server's. Hundre
 threads in a process that does other work too (pytest, a reference engine) read an
 answer well after it arrived; here one asyncio loop sends every request at its arrival
 time and stamps each answer when its last byte is in. One JSON line per request.
+
+That process still shares the box's cores with the server, and when it is starved an answer
+that arrived meanwhile is read late. Each outcome carries the longest stall of the client's
+own loop while the request was out (``client_stall_s``), so that a reader can tell a slow
+server from a slow client.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import random
 import sys
@@ -27,23 +33,32 @@ class Outcome:
     retry_after: str | None
     response: Any  # the JSON body, or its text if it is not JSON (a stream's events)
     first_byte_s: float | None = None  # request sent -> the first byte of the body (a stream's first event)
-    client_stall_s: float = 0.0  # how long this client's loop was stalled while the request was out
+    client_stall_s: float = 0.0  # the longest stall of this client's loop while the request was out
     sent_s: float = 0.0  # when it was sent, from the first arrival
 
 
 class StallClock:
-    """How far behind its schedule this process's event loop ran, summed: a task that asks to
-    wake every ``tick_s`` and adds up how late each wake-up came (beyond ``tick_s``)."""
+    """When this process's event loop ran late, and by how much: a task that asks to wake every
+    ``tick_s`` and records each wake-up that came more than ``slack_s`` late. An answer that
+    arrived during a stall was read up to that stall late."""
 
-    def __init__(self, tick_s: float = 0.02) -> None:
-        self.tick_s, self.total_s = tick_s, 0.0
+    def __init__(self, tick_s: float = 0.02, slack_s: float = 0.05) -> None:
+        self.tick_s, self.slack_s = tick_s, slack_s
+        self.stalls: list[tuple[float, float]] = []  # (monotonic time it ended, seconds late), in time order
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             asked = loop.time()
             await asyncio.sleep(self.tick_s)
-            self.total_s += max(0.0, loop.time() - asked - 2 * self.tick_s)  # one tick of slack: timer granularity
+            late = loop.time() - asked - self.tick_s
+            if late > self.slack_s:
+                self.stalls.append((time.monotonic(), late))
+
+    def worst_since(self, since: float) -> float:
+        """The longest stall that ended at or after ``since`` (monotonic)."""
+        i = bisect.bisect_left(self.stalls, (since, 0.0))
+        return max((late for _, late in self.stalls[i:]), default=0.0)
 
 
 def body_for(template: dict, index: int) -> dict:
@@ -52,7 +67,7 @@ def body_for(template: dict, index: int) -> dict:
 
 
 async def _one(session, path: str, body: dict, index: int, stalls: StallClock, origin: float) -> Outcome:
-    started, stalled = time.monotonic(), stalls.total_s
+    started = time.monotonic()
     sent = started - origin
     try:
         async with session.post(path, json=body) as r:
@@ -64,12 +79,12 @@ async def _one(session, path: str, body: dict, index: int, stalls: StallClock, o
             latency, status, retry_after = time.monotonic() - started, r.status, r.headers.get("retry-after")
     except Exception as exc:  # noqa: BLE001 - recorded, a lost request for the caller to judge
         return Outcome(index, 0, time.monotonic() - started, None, f"{type(exc).__name__}: {exc}",
-                       client_stall_s=stalls.total_s - stalled, sent_s=sent)
+                       client_stall_s=stalls.worst_since(started), sent_s=sent)
     try:
         response = json.loads(text)
     except ValueError:
         response = text
-    return Outcome(index, status, latency, retry_after, response, first, stalls.total_s - stalled, sent)
+    return Outcome(index, status, latency, retry_after, response, first, stalls.worst_since(started), sent)
 
 
 async def offer(

@@ -59,7 +59,7 @@ class Outcome:
     latency_s: float  # sent -> complete, or -> given up
     abandoned: bool  # the client gave up (its timeout) before the answer was complete
     retry_after: str | None
-    client_stall_s: float = 0.0  # this client's own loop stalled while the request was out (bench.openloop)
+    client_stall_s: float = 0.0  # the longest stall of this client's loop while the request was out (bench.openloop)
 
 
 def _body(model: str, load: OverloadLoad, rng: random.Random, index: int) -> dict:
@@ -70,7 +70,7 @@ def _body(model: str, load: OverloadLoad, rng: random.Random, index: int) -> dic
 
 async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float, index: int, t0: float,
                stalls: StallClock) -> Outcome:
-    sent, stalled = time.monotonic(), stalls.total_s
+    sent = time.monotonic()
     status, first, retry_after = 0, None, None
     try:
         async with asyncio.timeout(load.client_timeout_s):
@@ -85,7 +85,7 @@ async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float,
     except Exception:  # noqa: BLE001 - a failed request, counted as status 0
         abandoned = False
     return Outcome(arm, factor, index, sent - t0, status, first, time.monotonic() - sent, abandoned, retry_after,
-                   stalls.total_s - stalled)
+                   stalls.worst_since(sent))
 
 
 async def offer(url: str, model: str, load: OverloadLoad, arm: str, factor: float, rate: float) -> list[Outcome]:
@@ -141,7 +141,7 @@ def summarize(outcomes: list[Outcome], load: OverloadLoad) -> dict:
     ok = [o for o in outcomes if o.status == 200 and not o.abandoned]
     good = [o for o in ok if o.ttft_s is not None and o.ttft_s <= load.slo_s]
     admitted_ttft = [o.ttft_s for o in outcomes if o.status == 200 and o.ttft_s is not None]
-    # A 429's time less what this client's own loop was stalled meanwhile: the server's part.
+    # A 429's time less the longest stall of this client's own loop meanwhile: the server's part.
     rejected = [max(0.0, o.latency_s - o.client_stall_s) for o in outcomes if o.status == 429]
     return {
         "offered": len(outcomes),
@@ -154,7 +154,8 @@ def summarize(outcomes: list[Outcome], load: OverloadLoad) -> dict:
         "expired_503": sum(o.status == 503 for o in outcomes),
         "abandoned": sum(o.abandoned for o in outcomes),
         "abandoned_in_flight_s": sum(o.latency_s for o in outcomes if o.abandoned),
-        "other_status": sorted({o.status for o in outcomes} - {200, 429, 503}),
+        # Status 0 of a request the client gave up on is the client's doing, not an error.
+        "other_status": sorted({o.status for o in outcomes if not o.abandoned} - {200, 429, 503}),
         "client_stall_max_s": max((o.client_stall_s for o in outcomes), default=0.0),
     }
 

