@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from app.request_fields import float_field, set_float_field
 from connector.params import external_request_id
 
 logger = logging.getLogger("ray.serve.rendezvous.queue_deadline")
@@ -48,15 +49,11 @@ class QueueDeadlinePassed(Exception):
 
 
 def mark_queue_deadline(request: Any, at: float) -> None:
-    try:
-        setattr(request, QUEUE_DEADLINE_FIELD, at)
-    except (AttributeError, TypeError, ValueError):  # a request type that takes no extra field: no deadline
-        pass
+    set_float_field(request, QUEUE_DEADLINE_FIELD, at)
 
 
 def queue_deadline_of(request: Any) -> float | None:
-    at = getattr(request, QUEUE_DEADLINE_FIELD, None)
-    return at if isinstance(at, float) else None
+    return float_field(request, QUEUE_DEADLINE_FIELD)
 
 
 async def before_queue_deadline(

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from app.planner import Route
+from app.request_fields import float_field, set_float_field
 from connector.stages import DecodeKvStamps, KvFailure, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
@@ -49,15 +50,11 @@ DECODE_PICKED_FIELD = "rendezvous_decode_picked"
 def mark_decode_picked(request: Any, at: float) -> None:
     """The decode router, on the request it is about to send (Serve sends the arguments
     after the pick): when it picked. A later pick of the same request replaces it."""
-    try:
-        setattr(request, DECODE_PICKED_FIELD, at)
-    except (AttributeError, TypeError, ValueError):  # a request type that takes no extra field: no stamp
-        pass
+    set_float_field(request, DECODE_PICKED_FIELD, at)
 
 
 def decode_picked_of(request: Any) -> float | None:
-    at = getattr(request, DECODE_PICKED_FIELD, None)
-    return at if isinstance(at, float) else None
+    return float_field(request, DECODE_PICKED_FIELD)
 
 
 # Request id -> when the prefill router picked its prefill replica, until the decode replica reads it (same
