@@ -10,8 +10,8 @@ completions (~200-token prompts, 64 output tokens) from a client that gives up a
 
 Per arm and load: goodput (answers complete, first byte within the SLO, not given up on, per second
 of offered load), admitted TTFT p50 / p99 (the first chunk, client side), rejections (429) and their
-latency p99, 503s at the queue deadline, and the seconds that requests the client had already
-given up on stayed in flight at the server (engine time spent on answers nobody read).
+latency p99, 503s at the queue deadline, and how many requests the client gave up on and the seconds
+it waited on them (engine time, until its hang-up aborts them, spent on answers nobody read).
 Output: ``overload.json`` (every request), ``overload.csv`` (the table), ``overload.png``.
 """
 
@@ -208,7 +208,7 @@ def table(rows: list[dict]) -> str:
     def f(v, fmt="{:.2f}"):
         return "–" if v is None else fmt.format(v)
 
-    lines = ["| arm | load | offered | answered | goodput req/s | TTFT p50 / p99 s | 429s (p99 s) | 503s | given up (in flight s) |",
+    lines = ["| arm | load | offered | answered | goodput req/s | TTFT p50 / p99 s | 429s (p99 s) | 503s | given up (s waited) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['factor']:g}x ({r['rate_rps']:.2f} req/s) | {r['offered']} | {r['answered']} | "
