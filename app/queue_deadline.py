@@ -12,6 +12,7 @@ goes back in its place, which the ingress answers with the same 503 as a stream'
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -69,9 +70,12 @@ async def before_queue_deadline(
         if not done and not started():
             first.cancel()  # thrown into its await: AsyncLLM.generate aborts the engine request, the handoff its leg
             try:
-                await first
+                await first  # vLLM's serving layer may answer the cancel with an error response instead of raising
             except (asyncio.CancelledError, StopAsyncIteration):
                 pass
+            if hasattr(chunks, "aclose"):
+                with contextlib.suppress(Exception):
+                    await chunks.aclose()
             logger.warning("request %s: not started by its queue deadline: aborted", request_id)
             yield QueueExpired(request_id)
             return
