@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rendezvous-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: serve test unit install model clean-procs bench-quick
+.PHONY: serve serve-cluster test unit install model clean-procs bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,13 @@ model: $(STAMP)
 # Foreground; Ctrl-C stops the app, Ray and every engine it started.
 serve: model
 	$(BIN)/python -m app.run $(CONFIG)
+
+# The same app on a head, a prefill and a decode Ray node, each in its own network namespace on this
+# machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.cluster down`
+# removes one left behind.
+CLUSTER_CONFIG ?= configs/local-cpu-2node.yaml
+serve-cluster: model
+	$(BIN)/python -m app.cluster up $(CLUSTER_CONFIG)
 
 test: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests

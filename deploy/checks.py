@@ -256,6 +256,10 @@ def _hardware_errors(args: AppArgs, role: Role, group: Group) -> list[str]:
     if args.accelerator is Accelerator.GPU and group.limits.get(GPU_DEVICE, 0) < group.offers.get("GPU", 0):
         errors.append(f"{where}: Ray is told of {group.offers['GPU']:g} GPUs but the pod requests "
                       f"{group.limits.get(GPU_DEVICE, 0):g} {GPU_DEVICE}")
+    devices = sorted(d for d in ACCELERATOR_DEVICES if group.limits.get(d))
+    if args.accelerator is Accelerator.CPU and devices:
+        errors.append(f"{where}: accelerator cpu, but the pod requests {', '.join(devices)}: the engines would "
+                      "leave them idle")
     if args.accelerator is Accelerator.NEURON and not any(group.limits.get(d) for d in NEURON_DEVICES):
         errors.append(f"{where}: accelerator neuron, but the pod requests none of {', '.join(NEURON_DEVICES)}")
     if args.accelerator is not Accelerator.CPU and not group.shm_in_memory:

@@ -1,0 +1,249 @@
+"""``python -m app.cluster up|down``: a head, a prefill and a decode Ray node on this machine, each
+in its own network namespace with its own address (``app.cluster_plan`` decides which), and the
+app served on them (docs/cluster.md). Root only (``ip netns``), as CI runs.
+
+``up [CONFIG]`` builds the network, starts Ray on each node with ``ray start`` and runs
+``python -m app.run CONFIG`` (what ``make serve`` runs) in the head's namespace, in the
+foreground; however it ends (Ctrl-C, SIGTERM, a failed start), it tears everything down.
+``up --no-app`` leaves the bare cluster running instead. ``down`` removes whatever exists of a
+cluster, half-built or not: every process in its namespaces, the namespaces, veths and bridge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from app.cluster_plan import (
+    DEFAULT_PREFIX,
+    DEFAULT_SUBNET,
+    ClusterPlan,
+    auth_env,
+    host_conflict,
+    in_namespace,
+    plan_cluster,
+    worker_group_resources,
+)
+from app.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness
+
+DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
+RAYSERVICE = REPO / "k8s" / "base" / "rayservice.yaml"  # the worker groups' resources live there
+_STOP_GRACE_S = 120  # app.run's own grace (90 s) plus its sweep
+
+
+def _say(line: str) -> None:
+    print(f"[rendezvous] {line}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- what exists
+
+
+def _ip_json(*args: str) -> list[dict]:
+    out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=True).stdout
+    return json.loads(out or "[]")
+
+
+def host_networks() -> list[str]:
+    """IPv4 networks of the root namespace's addresses and routes: what the subnet must not overlap."""
+    nets = [f"{a['local']}/{a['prefixlen']}" for link in _ip_json("-4", "addr") for a in link.get("addr_info", [])]
+    nets += [r["dst"] for r in _ip_json("-4", "route") if r.get("dst") not in (None, "default")]
+    return nets
+
+
+def present(plan: ClusterPlan) -> tuple[list[str], list[str]]:
+    """The plan's namespaces and root-namespace links that exist now."""
+    namespaces = {line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()}
+    links = {link["ifname"] for link in _ip_json("link")}
+    return [ns for ns in plan.namespaces if ns in namespaces], [link for link in plan.links if link in links]
+
+
+def namespace_pids(namespaces: list[str]) -> list[int]:
+    """Every process in ``namespaces``: Ray's, the app's and vLLM's, orphans included."""
+    pids: set[int] = set()
+    for ns in namespaces:
+        pids |= {int(p) for p in _run(["ip", "netns", "pids", ns]).stdout.split()}
+    return sorted(pids - {os.getpid()})
+
+
+def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, **kwargs)
+
+
+# --------------------------------------------------------------------------- build and tear down
+
+
+def load_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET) -> ClusterPlan:
+    resources = worker_group_resources(yaml.safe_load(RAYSERVICE.read_text()))
+    return plan_cluster(resources, prefix=prefix, subnet=subnet)
+
+
+def build(plan: ClusterPlan, env: dict[str, str]) -> None:
+    """The network, then Ray on each node (head first). Raises RuntimeError on the first failure;
+    the caller tears down."""
+    for argv in plan.network_commands():
+        _check(argv)
+    ray = str(Path(sys.executable).with_name("ray"))
+    node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    for node in plan.nodes:  # head first: the workers join it
+        # `ray start` returns once its node has registered with the GCS.
+        _check(in_namespace(node.namespace, plan.ray_start_command(node, ray)), env=node_env,
+               start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
+        _say(f"ray node {node.kind.value}: {node.ip} in namespace {node.namespace} (logs: {node.temp_dir})")
+
+
+def _check(argv: list[str], **kwargs) -> None:
+    done = _run(argv, cwd=REPO, **kwargs)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+def teardown(plan: ClusterPlan, run_id: str | None = None) -> list[str]:
+    """End every process of the cluster, then remove its namespaces, veths and bridge; safe to
+    repeat, and on a half-built cluster. Returns what is still there (empty: all gone)."""
+    for _ in range(3):  # a raylet may restart a worker while the first signals land
+        namespaces, _links = present(plan)
+        pids = sorted(set(namespace_pids(namespaces)) | set(find_processes(run_id) if run_id else ()))
+        if not pids:
+            break
+        kill(pids)
+    namespaces, links = present(plan)
+    for argv in plan.teardown_commands(namespaces, links):
+        _run(argv)
+    deadline = time.monotonic() + 20  # the kernel removes a deleted namespace's veths a moment later
+    while (found := present(plan)) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    namespaces, links = found
+    left = [f"namespace {ns}" for ns in namespaces] + [f"link {link}" for link in links]
+    left += [f"pid {pid}" for pid in (find_processes(run_id) if run_id else ())]
+    return left
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def up(plan: ClusterPlan, config: str | None) -> int:
+    namespaces, links = present(plan)
+    if namespaces or links:
+        _say(f"a cluster named {plan.prefix!r} is (partly) there: {namespaces + links}; "
+             f"`python -m app.cluster down{'' if plan.prefix == DEFAULT_PREFIX else ' --prefix ' + plan.prefix}` first")
+        return 2
+    if (conflict := host_conflict(plan, host_networks())) is not None:
+        _say(f"cannot build the cluster: {conflict}")
+        return 2
+    env = {**new_run_env(keep_existing=True), **auth_env(secrets.token_hex(32))}
+    child: list[subprocess.Popen] = []
+    stopping: list[float] = []
+
+    def on_signal(signum, _frame):
+        if not child:  # still building: stop building, tear down
+            raise KeyboardInterrupt
+        if not stopping:
+            stopping.append(time.monotonic())
+            _say(f"stopping ({signal.Signals(signum).name})")
+        if child[0].poll() is None:
+            child[0].send_signal(signal.SIGINT)  # app.run stops Serve, then sweeps its run
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    keep = False
+    try:
+        build(plan, env)
+        if config is None:
+            keep = True
+            ray_env = " ".join(f"{k}={v}" for k, v in {"RAY_ADDRESS": plan.gcs_address, **auth_env(env["RAY_AUTH_TOKEN"])}.items())
+            _say(f"cluster up (run id {env[MARKER]}). Serve on it from the head's namespace: "
+                 f"`ip netns exec {plan.head.namespace} env {ray_env} serve run CONFIG`; "
+                 f"`python -m app.cluster down` removes it")
+            return 0
+        config = str(Path(config).resolve())  # app.run runs in the repo, the user maybe elsewhere
+        port = urlsplit(base_url_of(yaml.safe_load(Path(config).read_text()) or {})).port
+        _say(f"serving {config} on the cluster: {plan.base_url(port)}/v1 from this host; Ctrl-C stops everything")
+        child.append(subprocess.Popen(
+            in_namespace(plan.head.namespace, [sys.executable, "-m", "app.run", config]),
+            cwd=REPO, env={**env, "RAY_ADDRESS": plan.gcs_address},
+            start_new_session=True,  # a terminal's Ctrl-C reaches app.run once, through us
+        ))
+        threading.Thread(target=_say_when_ready, args=(plan.base_url(port), child[0]), daemon=True).start()
+        code = _wait(child[0], stopping)
+    except RuntimeError as e:
+        _say(f"cluster start failed: {e}")
+        code = 1
+    except KeyboardInterrupt:
+        _say("interrupted while starting")
+        code = 130
+    finally:
+        if not keep:
+            # A second Ctrl-C must not cut the teardown short.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: _say("removing the cluster; a moment"))
+            left = teardown(plan, env[MARKER])
+            _say("cluster removed; all processes ended" if not left else f"could not remove {left}")
+    return 1 if left else code
+
+
+def _say_when_ready(base: str, child: subprocess.Popen) -> None:
+    """app.run says when the app is ready at the head's own 127.0.0.1; say where this host reaches it."""
+    while child.poll() is None:
+        if (read_readiness(f"{base}/ready") or (None, {}))[1].get("ready"):
+            _say(f"ready on the cluster: {base}/v1 (from this host)")
+            return
+        time.sleep(3)
+
+
+def _wait(child: subprocess.Popen, stopping: list[float]) -> int:
+    while True:
+        try:
+            return child.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            if stopping and time.monotonic() - stopping[0] > _STOP_GRACE_S:
+                return -signal.SIGINT  # teardown ends what is left
+
+
+def down(plan: ClusterPlan) -> int:
+    namespaces, links = present(plan)
+    left = teardown(plan)
+    if left:
+        _say(f"could not remove {left}")
+        return 1
+    _say(f"removed namespaces {namespaces} and links {links}" if namespaces or links else "nothing to remove: no cluster was there")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.cluster",
+        description="A head, a prefill and a decode Ray node on this machine, each in its own network namespace "
+        "(docs/cluster.md); up: serve CONFIG on them until Ctrl-C; down: remove a cluster left behind.",
+    )
+    parser.add_argument("command", choices=["up", "down"])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"serve config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--no-app", action="store_true", help="up: start the bare cluster and leave it running")
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="names of namespaces and links: <prefix>-head, ...")
+    parser.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 network for the bridge and nodes")
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        _say("app.cluster needs root (ip netns, veth pairs, a bridge)")
+        return 2
+    try:
+        plan = load_plan(args.prefix, args.subnet)
+    except ValueError as e:
+        _say(f"cannot plan the cluster: {e}")
+        return 2
+    if args.command == "down":
+        return down(plan)
+    return up(plan, None if args.no_app else args.config)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
