@@ -40,6 +40,7 @@ class Served:
     """How one request is being prefilled; a remote plan may end up FALLBACK or HANDED_OFF."""
 
     route: Route
+    fallback_request_id: str | None = None  # the decode engine's request id after a fallback (a fresh one)
 
 
 class Handoff:
@@ -93,6 +94,7 @@ class Handoff:
         served.route = Route.FALLBACK
         logger.warning("request %s: handoff failed (%s); decode prefills it locally", request.request_id, failure)
         local = request.model_copy(update={"request_id": new_transfer_request_id()})
+        served.fallback_request_id = local.request_id
         async for chunk in await self._engine(endpoint, local, raw_request_info):
             yield chunk
 

@@ -249,7 +249,8 @@ class DecodeServer(PDDecodeServer):
                 with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
         if not stream and (deadline := queue_deadline_of(request)) is not None:
-            gen = before_queue_deadline(gen, deadline, lambda: self._engine_started(request_id), request_id)
+            gen = before_queue_deadline(
+                gen, deadline, lambda: self._engine_started(served.fallback_request_id or request_id), request_id)
         cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost

@@ -147,6 +147,8 @@ def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id():
     chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
     assert (chunks, error, served.route) == (["local"], None, Route.FALLBACK)
     assert handoff.local_requests[0].request_id not in ("rdv-1", None)
+    # Where the queue deadline asks the engine whether the request started (app.queue_deadline).
+    assert served.fallback_request_id == handoff.local_requests[0].request_id
 
 
 def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_through():
