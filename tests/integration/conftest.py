@@ -121,17 +121,8 @@ def wait_until_idle(client, roles: tuple[str, ...], timeout_s: float) -> None:
     an engine that went idle stops reporting a few seconds later. So this keeps the
     latest value each role reported instead of asking one scrape for all roles at once
     (a role that went idle early may have vanished before another one got there)."""
-    latest: dict[str, dict[str, float]] = {role: {} for role in roles}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        snap = client.metrics.snapshot()
-        for role in roles:
-            latest[role].update({key: snap[role][key] for key in IDLE_GAUGES if key in snap.get(role, {})})
-        busy = {role: values for role, values in latest.items() if [values.get(k) for k in IDLE_GAUGES] != [0.0] * 3}
-        if not busy:
-            return
-        assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
-        time.sleep(0.5)
+    with EngineGauges(client, roles) as gauges:
+        gauges.wait_idle(timeout_s)
 
 
 class EngineGauges:
