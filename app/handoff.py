@@ -3,8 +3,10 @@
 A :class:`Handoff` is built by ``DecodeServer`` from what it needs (decode's own engine,
 the prefill deployment, the connector backend, Ray's push orchestration) so that tests
 build a real one from stand-ins. It never hangs and never fails a request decode can
-serve itself: the prefill leg has ``timeout_s``; if it fails or times out before decode
-produced anything, decode prefills the prompt itself (:attr:`Route.FALLBACK`).
+serve itself: the prefill leg has ``timeout_s``, and so has the pick of a prefill replica
+before it (push: Ray's orchestration waits in that pick for as long as no prefill replica is
+routable, e.g. while a lost prefill node's replica is being replaced); if either fails or times
+out before decode produced anything, decode prefills the prompt itself (:attr:`Route.FALLBACK`).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Handoff:
         self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
         self.late_prefills: set[asyncio.Task] = set()  # kept referenced until they end
+        self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
@@ -74,10 +77,12 @@ class Handoff:
         aborted one may still be finishing)."""
         if self.mode is TransferMode.PULL:
             remote = self.pull_handoff(request, raw_request_info, endpoint, history, keep, hand_off)
+            first_chunk = remote.__anext__()
         else:
             remote = self._push(request, raw_request_info)
+            first_chunk = self._first_push_chunk(remote, request.request_id)
         try:
-            first = await remote.__anext__()
+            first = await first_chunk
             failure = _server_error(first)
         except StopAsyncIteration:
             return
@@ -97,6 +102,27 @@ class Handoff:
         served.fallback_request_id = local.request_id
         async for chunk in await self._engine(endpoint, local, raw_request_info):
             yield chunk
+
+    async def _first_push_chunk(self, remote: AsyncIterator, request_id: str):
+        """Push: the first chunk, but no later than ``timeout_s`` after the start if Ray's
+        orchestration has not picked a prefill replica by then (its legs not sent: no
+        :meth:`concurrent_decode` yet); from there that method's own deadline holds."""
+        legs_out = self._legs_out[request_id] = asyncio.Event()
+        first = asyncio.ensure_future(remote.__anext__())
+        sent = asyncio.ensure_future(legs_out.wait())
+        try:
+            await asyncio.wait({first, sent}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if not first.done() and not legs_out.is_set():
+                first.cancel()
+                with contextlib.suppress(BaseException):
+                    await first
+                raise HandoffFailed(f"no prefill replica could be picked within {self.timeout_s:g} s")
+            return await first
+        finally:
+            sent.cancel()
+            if not first.done():  # our own consumer went away (hang-up, queue deadline)
+                first.cancel()
+            self._legs_out.pop(request_id, None)
 
     async def pull_handoff(self, request, raw_request_info, endpoint: str, history=None, keep=False, hand_off=False):
         """Pull: prefill first (bounded by the deadline), then decode READs its KV: here,
@@ -162,6 +188,8 @@ class Handoff:
         timeline = self._timelines.get(decode_request.request_id)
         if timeline is not None:
             timeline.stamp(LEGS_SENT, time.time())
+        if (legs_out := self._legs_out.get(decode_request.request_id)) is not None:
+            legs_out.set()
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
         prefill.add_done_callback(lambda task: self._prefill_done(decode_request.request_id, task))
         decode = await self._engine(method, decode_request, raw_request_info)

@@ -151,6 +151,43 @@ def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id():
     assert served.fallback_request_id == handoff.local_requests[0].request_id
 
 
+def test_a_push_that_cannot_pick_a_prefill_replica_falls_back_at_the_deadline():
+    """Ray's orchestration waits in its pick for as long as no prefill replica is routable
+    (a lost prefill node): decode prefills locally at the handoff's deadline and the pick is
+    cancelled. Once the legs went out, the prefill leg's own deadline counts from there."""
+    picking = {"cancelled": False}
+
+    async def never_picks(request, raw=None):
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            picking["cancelled"] = True
+            raise
+        yield  # pragma: no cover
+
+    handoff = _handoff(push=never_picks, timeout_s=0.1)
+    served = Served(Route.REMOTE)
+    request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
+    assert (chunks, error, served.route) == (["local"], None, Route.FALLBACK)
+    assert picking["cancelled"] and not handoff._legs_out
+
+    # Picked at 0.08 s, decode's first chunk 0.15 s later: 0.23 s from the start, past the pick's
+    # 0.2 s, but within the leg's own 0.2 s counted from the pick.
+    handoff = _handoff(decode_after_s=0.15, timeout_s=0.2)
+
+    async def picks_late(request, raw=None):
+        await asyncio.sleep(0.08)
+        async for chunk in handoff.concurrent_decode("completions", _decode_request(), _Prefill(0.1), None):
+            yield chunk
+
+    handoff._push = picks_late
+    served = Served(Route.REMOTE)
+    request = CompletionRequest(model="m", prompt="hi", request_id="rdv-1")
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
+    assert (chunks, error, served.route) == (["d1", "d2"], None, Route.REMOTE)
+
+
 def test_a_server_error_before_any_chunk_falls_back_but_a_client_error_passes_through():
     for code, expected_route in [(503, "fallback"), (400, "remote")]:
         async def remote(request, raw=None, code=code):
