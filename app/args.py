@@ -143,6 +143,11 @@ class NixlArgs(_Strict):
 class IngressArgs(_Strict):
     replicas: int = Field(1, ge=1, description="OpenAI ingress replicas.")
     cpus: float = Field(0.1, gt=0, description="Ray logical CPUs per ingress replica.")
+    on_head: bool = Field(
+        True, description="Place the ingress replicas on the Ray head node, with Serve's controller and proxy. An "
+        "ingress on an engine's node dies with that node and cuts every stream it carries, of every decode replica. "
+        "false: wherever Ray finds CPU."
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once (Serve's limit; beyond it Serve queues).")
     max_in_flight: int = Field(
         128, ge=1, description="Generation requests (completions, chat) in flight per ingress replica; beyond this "
@@ -223,9 +228,9 @@ class RoutingArgs(_Strict):
 
 class HandoffArgs(_Strict):
     prefill_timeout_s: float = Field(
-        30.0, gt=0, description="The prefill leg must finish within this many seconds of dispatch. If it does not, or "
-        "fails, before decode produced anything, the decode replica drops the handoff and prefills the prompt itself "
-        "(counted as prefill path `fallback`)."
+        30.0, gt=0, description="The prefill leg must finish within this many seconds of dispatch (and a prefill "
+        "replica must be picked within as many). If it does not, or fails, before decode produced anything, the decode "
+        "replica drops the handoff and prefills the prompt itself (counted as prefill path `fallback`)."
     )
     kv_timeout_s: float = Field(
         60.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "

@@ -19,7 +19,7 @@ from ray.serve.deployment import Application
 
 from app.args import AppArgs
 from app.ingress import ENDPOINTS, Ingress, make_app
-from app.llm_configs import llm_config
+from app.llm_configs import ingress_actor_options, llm_config
 from app.model_source import resolve_model_source
 from app.readiness import DECODE_PREFIX, PREFILL_PREFIX, ReadinessProbe
 from app.servers import DecodeServer, PrefillServer
@@ -53,7 +53,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
         name="OpenAiIngress",
         num_replicas=app_args.ingress.replicas,
         max_ongoing_requests=app_args.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": app_args.ingress.cpus},
+        ray_actor_options=ingress_actor_options(app_args.ingress),
     )
     return ingress.bind(
         llm_deployments={model_id: decode},

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.args import Accelerator, AppArgs, DecodeRouter
+from app.args import Accelerator, AppArgs, DecodeRouter, IngressArgs
 from connector.params import (
     BIDIRECTIONAL_KEY,
     CONNECTOR_CLASS,
@@ -149,3 +149,17 @@ def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
             SETTINGS_KEY: EngineSettings(role=role, ports=args.nixl.port_plan(), env=env).to_dict(),
         },
     }
+
+
+# Ray's resource of the head node (amount 1 there, absent elsewhere): ray._common.constants'
+# HEAD_NODE_RESOURCE_NAME, by value here (this module imports no Ray; connector/seams.py lists it).
+HEAD_NODE_RESOURCE = "node:__internal_head__"
+
+
+def ingress_actor_options(ingress: IngressArgs) -> dict[str, Any]:
+    """Ray actor options of one ingress replica: its CPUs and, ``on_head``, a sliver of the head's
+    own resource, so Ray places it on the head whatever CPU the engine nodes have free."""
+    options: dict[str, Any] = {"num_cpus": ingress.cpus}
+    if ingress.on_head:
+        options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    return options

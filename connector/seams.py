@@ -434,6 +434,9 @@ SEAMS: list[Seam] = [
          "plan each replica's NIXL side-channel port by rank"),
     Seam("ray", "ray.serve.schema:ReplicaRank", "rank", "attribute", ("connector/ray_backend.py",),
          "plan each replica's NIXL side-channel port by rank (context.rank is a ReplicaRank, not an int)"),
+    Seam("ray", "ray._common.constants", "HEAD_NODE_RESOURCE_NAME", "import", ("app/llm_configs.py",),
+         "place the ingress on the head node by the head's own resource (named by value there; "
+         "tests/unit/test_llm_configs.py checks the value)"),
     # ------------------------------------------------------------------ Starlette
     Seam("starlette", "starlette.requests:Request", "_body", "instance", ("app/ingress.py",),
          "replace the body the endpoint reads (a body conversation_id moved into the header)",

@@ -162,7 +162,7 @@ def fit_errors(manifests: list[dict[str, Any]], serve_config: dict[str, Any]) ->
     cluster = spec.get("rayClusterConfig", {})
     head = Group.from_spec("head", cluster.get("headGroupSpec", {}), head=True)
     workers = [Group.from_spec(g.get("groupName", "?"), g, head=False) for g in cluster.get("workerGroupSpecs") or []]
-    errors += _head_errors(head)
+    errors += _head_errors(head, args)
     placed: dict[Role, Group] = {}
     for role in Role:
         group, role_errors = _place(args, role, [head, *workers])
@@ -194,8 +194,12 @@ def _serve_config_errors(spec: dict[str, Any], serve_config: dict[str, Any]) -> 
     return []
 
 
-def _head_errors(head: Group) -> list[str]:
+def _head_errors(head: Group, args: AppArgs) -> list[str]:
     errors = []
+    ingress = args.ingress
+    if ingress.on_head and head.offers.get("CPU", 0) < ingress.replicas * ingress.cpus:
+        errors.append(f"head: offers {head.offers.get('CPU', 0):g} CPUs; the ingress (on_head) needs "
+                      f"{ingress.replicas} x {ingress.cpus:g} there")
     if head.start_params.get("num-gpus") != "0":
         errors.append("head: rayStartParams num-gpus must be \"0\" (no engine may land on the head)")
     devices = sorted(d for d in ACCELERATOR_DEVICES if head.limits.get(d))

@@ -399,6 +399,8 @@ def _args(config):
         (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update(
             resources='"{\\"decode_group\\": 1}"'), "offered by head, decode"),
         (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].pop("num-gpus"), "num-gpus must be \"0\""),
+        (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": "0"}),
+         "the ingress (on_head) needs 2 x 1 there"),
         (lambda m, c: _groups(m)[0]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(EFA_DEVICE), "requests no vpc.amazonaws.com/efa"),
         (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(HUGEPAGES), "requests no hugepages-2Mi"),
         (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].update({EFA_DEVICE: 8}),

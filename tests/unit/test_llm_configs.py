@@ -10,7 +10,7 @@ import yaml
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
 from app.args import Accelerator, AppArgs
-from app.llm_configs import CPU_DEFAULT_ENV, kv_transfer_config, llm_config
+from app.llm_configs import CPU_DEFAULT_ENV, HEAD_NODE_RESOURCE, ingress_actor_options, kv_transfer_config, llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
 from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, TransferMode
 from connector.ports import PortPlan, Role
@@ -277,3 +277,13 @@ def test_engine_env_defaults_and_pass_through():
     assert {k: env[k] for k in CPU_DEFAULT_ENV} == CPU_DEFAULT_ENV
     assert all(isinstance(v, str) for v in env.values())  # os.environ takes strings only
     assert user_env == before  # not mutated
+
+
+def test_the_ingress_goes_to_the_head_node_unless_told_otherwise():
+    """An ingress on an engine's node would die with that node (tests/integration/test_cluster.py
+    loses the decode node mid-stream). The head's resource is Ray's; the name here must be it."""
+    from ray._common.constants import HEAD_NODE_RESOURCE_NAME
+
+    assert HEAD_NODE_RESOURCE == HEAD_NODE_RESOURCE_NAME
+    assert ingress_actor_options(AppArgs.parse({}).ingress) == {"num_cpus": 0.1, "resources": {HEAD_NODE_RESOURCE: 0.001}}
+    assert ingress_actor_options(AppArgs.parse({"ingress": {"on_head": False, "cpus": 0.5}}).ingress) == {"num_cpus": 0.5}
