@@ -173,6 +173,14 @@ class KvChecksums:
         agents = [name for key, name in (self._remote_agents.get(remote.engine_id) or {}).items()
                   if (key[-1] if isinstance(key, tuple) else key) == self.tp_rank]
         if not paired or not agents:
+            unchecked = self.__dict__.setdefault("_rendezvous_unchecked_engines", set())
+            if remote.engine_id not in unchecked:
+                unchecked.add(remote.engine_id)
+                logger.warning(
+                    "KV checksums off for pushes to engine %s: its descriptors do not pair with ours one to one "
+                    "(TP %s here, %s there; block size ratio %s; %s)", remote.engine_id, self.world_size,
+                    info.remote_tp_size, self.transfer_topo.block_size_ratio(info.remote_block_size),
+                    "no agent of our TP rank" if paired else "or several KV cache groups / physical blocks per block")
             return
         # Decode allocated only what it did not have cached: the blocks pair from the end.
         wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
