@@ -7,11 +7,17 @@ app served on them (docs/cluster.md). Root only (``ip netns``), as CI runs.
 foreground; however it ends (Ctrl-C, SIGTERM, a failed start), it tears everything down.
 ``up --no-app`` leaves the bare cluster running instead. ``down`` removes whatever exists of a
 cluster, half-built or not: every process in its namespaces, the namespaces, veths and bridge.
+
+``kill-node NODE`` ends every process of one worker node at once (SIGKILL), as if its host
+vanished, and ``rejoin NODE`` starts Ray there again with the same resources: Serve places the
+node's replicas on it again. Both read the running cluster's join settings (its auth token and
+run id) from a file ``up`` keeps in the head's temp dir (``join_file``; root only).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -29,6 +35,8 @@ from app.cluster_plan import (
     DEFAULT_PREFIX,
     DEFAULT_SUBNET,
     ClusterPlan,
+    Node,
+    NodeKind,
     auth_env,
     host_conflict,
     in_namespace,
@@ -93,13 +101,56 @@ def build(plan: ClusterPlan, env: dict[str, str]) -> None:
     the caller tears down."""
     for argv in plan.network_commands():
         _check(argv)
+    for node in plan.nodes:  # head first: the workers join it
+        start_node(plan, node, env)
+        if node.kind is NodeKind.HEAD:
+            _keep_join_env(plan, env)
+
+
+def start_node(plan: ClusterPlan, node: Node, env: dict[str, str]) -> None:
     ray = str(Path(sys.executable).with_name("ray"))
     node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
-    for node in plan.nodes:  # head first: the workers join it
-        # `ray start` returns once its node has registered with the GCS.
-        _check(in_namespace(node.namespace, plan.ray_start_command(node, ray)), env=node_env,
-               start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
-        _say(f"ray node {node.kind.value}: {node.ip} in namespace {node.namespace} (logs: {node.temp_dir})")
+    # `ray start` returns once its node has registered with the GCS.
+    _check(in_namespace(node.namespace, plan.ray_start_command(node, ray)), env=node_env,
+           start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
+    _say(f"ray node {node.kind.value}: {node.ip} in namespace {node.namespace} (logs: {node.temp_dir})")
+
+
+def join_file(plan: ClusterPlan) -> Path:
+    """What a node needs to join the running cluster (auth token, run id): kept by ``up``."""
+    return Path(plan.head.temp_dir) / "rendezvous-join.json"
+
+
+def _keep_join_env(plan: ClusterPlan, env: dict[str, str]) -> None:
+    path = join_file(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is the cluster's password
+    with os.fdopen(fd, "w") as f:
+        json.dump({k: env[k] for k in (MARKER, *auth_env("").keys())}, f)
+
+
+def kill_node(plan: ClusterPlan, kind: NodeKind) -> list[int]:
+    """SIGKILL every process of one node (its raylet, workers, replicas, engines): a lost host.
+    Returns the pids that were there."""
+    pids = namespace_pids([plan.node(kind).namespace])
+    for pid in pids:  # no SIGTERM first: a raylet told to stop would say goodbye to the GCS
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while namespace_pids([plan.node(kind).namespace]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return pids
+
+
+def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
+    """Start Ray on a node of the running cluster again (after ``kill_node`` or a crash)."""
+    node = plan.node(kind)
+    if node.namespace not in present(plan)[0]:
+        raise RuntimeError(f"no namespace {node.namespace}: is the cluster up?")
+    if namespace_pids([node.namespace]):
+        raise RuntimeError(f"node {kind.value} still has processes: `python -m app.cluster kill-node {kind.value}` first")
+    env = {**new_run_env(keep_existing=True), **json.loads(join_file(plan).read_text())}
+    start_node(plan, node, env)
 
 
 def _check(argv: list[str], **kwargs) -> None:
@@ -226,8 +277,9 @@ def main(argv: list[str]) -> int:
         description="A head, a prefill and a decode Ray node on this machine, each in its own network namespace "
         "(docs/cluster.md); up: serve CONFIG on them until Ctrl-C; down: remove a cluster left behind.",
     )
-    parser.add_argument("command", choices=["up", "down"])
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG, help=f"serve config (default {DEFAULT_CONFIG})")
+    parser.add_argument("command", choices=["up", "down", "kill-node", "rejoin"])
+    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
+                        help=f"up: serve config (default {DEFAULT_CONFIG}); kill-node, rejoin: prefill or decode")
     parser.add_argument("--no-app", action="store_true", help="up: start the bare cluster and leave it running")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="names of namespaces and links: <prefix>-head, ...")
     parser.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 network for the bridge and nodes")
@@ -242,6 +294,20 @@ def main(argv: list[str]) -> int:
         return 2
     if args.command == "down":
         return down(plan)
+    if args.command in ("kill-node", "rejoin"):
+        if args.config not in (NodeKind.PREFILL.value, NodeKind.DECODE.value):
+            _say(f"{args.command}: name a worker node, prefill or decode (not {args.config!r})")
+            return 2
+        kind = NodeKind(args.config)
+        try:
+            if args.command == "kill-node":
+                _say(f"killed {len(kill_node(plan, kind))} processes of node {kind.value}")
+            else:
+                rejoin(plan, kind)
+        except (RuntimeError, OSError) as e:
+            _say(f"{args.command} {kind.value} failed: {e}")
+            return 1
+        return 0
     return up(plan, None if args.no_app else args.config)
 
 

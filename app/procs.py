@@ -166,6 +166,8 @@ class AppProcess:
             "make": ["make", "--no-print-directory", "serve", f"CONFIG={config}"],
             # Plain `serve run` inside the venv, without our wrapper's clean-up sweep.
             "serve": [str(Path(sys.executable).with_name("serve")), "run", config],
+            # A three-node cluster on this machine serving it (app.cluster; root).
+            "cluster": [sys.executable, "-m", "app.cluster", "up", config],
         }[how]
         self.env = {**new_run_env(), **(env or {})}  # env: extra variables for every process of the run
         self.run_id = self.env[MARKER]

@@ -1,91 +1,178 @@
-"""A head, a prefill and a decode Ray node on this machine, each in its own network namespace with
-its own address (``python -m app.cluster up``, what ``make serve-cluster`` runs): push answers are
-token-identical to one engine, each engine advertises its own node's address as its NIXL side
-channel, and the KV really crosses from the prefill node's interface into the decode node's. Ctrl-C
-of the command must leave nothing behind: no namespace, veth, bridge, process or port."""
+"""Push on a head, a prefill and a decode Ray node of this machine, each in its own network
+namespace with its own address (tests/integration/cluster.py; ``make serve-cluster``): answers
+are token-identical to one engine, each engine advertises its own node's address as its NIXL side
+channel, the KV really crosses from the prefill node's interface into the decode node's, and a
+conversation's history crosses back. Then the paths only a cluster has: the prefill node lost
+under in-flight requests and coming back, the decode node lost mid-stream and coming back."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import sys
-from pathlib import Path
-from types import SimpleNamespace
+import concurrent.futures as cf
+import json
+import time
+from collections import Counter
 
-import httpx
 import pytest
 
-from app.cluster import load_plan, present, teardown
+from app.cluster import kill_node, rejoin
 from app.cluster_plan import NodeKind
-from app.procs import AppProcess, busy_ports
-from bench.engine_metrics import RoleMetrics, delta
-from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token
-
-CONFIG = "configs/local-cpu-2node.yaml"
-HTTP_PORT = 8000  # the config's http_options.port
-
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2: the nodes live in network namespaces"
+from bench.engine_metrics import delta
+from tests.integration.cases import CASE_BY_NAME, assert_token_identical, parse_generation
+from tests.integration.cluster import (
+    CONFIG,
+    advertised,
+    assert_history_crosses_back,
+    assert_kv_crosses_the_nodes,
+    needs_root,
+    running_cluster,
+    scrape_node,
 )
+from tests.integration.conftest import with_args
+
+pytestmark = needs_root
+
+# A shorter prefill deadline than the config's 30 s, so that the outage's fallbacks come sooner.
+PREFILL_TIMEOUT_S = 15.0
 
 
 @pytest.fixture(scope="module")
 def cluster(log_dir):
-    plan = load_plan()
-    assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.cluster down"
-    app = AppProcess(CONFIG, log_dir, base_url=plan.base_url(HTTP_PORT))
-    app.command = [sys.executable, "-m", "app.cluster", "up", CONFIG]  # as `make serve-cluster` runs it
-    app.start()
-    try:
-        app.wait_ready(timeout_s=900)
-        yield SimpleNamespace(plan=plan, app=app, http=httpx.Client(base_url=app.base_url, timeout=300))
-    finally:
-        try:
-            code = app.interrupt(timeout_s=300)
-        finally:
-            left = present(plan)
-            if left != ([], []):
-                teardown(plan, app.run_id)  # leave the machine clean, then fail below
-        assert left == ([], []), f"left behind: {left}\n{app.log_tail()}"
-        assert not app.leftovers(), f"processes survived Ctrl-C: {app.leftovers()}\n{app.log_tail()}"
-        assert not busy_ports(), f"ports {busy_ports()} bound on this host after the cluster went"
-        assert code in (0, -2, 2, 130), f"exit code {code} after Ctrl-C\n{app.log_tail()}"
+    config = with_args(CONFIG, log_dir, handoff={"prefill_timeout_s": PREFILL_TIMEOUT_S})
+    yield from running_cluster(config, log_dir)
 
 
-def link_bytes(link: str) -> tuple[int, int]:
-    """(rx, tx) bytes of a root-namespace link: the host end of a node's veth pair, so its tx is
-    what entered the node's namespace and its rx what left it."""
-    stats = Path("/sys/class/net") / link / "statistics"
-    return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+def test_push_across_nodes_is_token_identical_and_the_kv_crosses_the_nodes_interfaces(cluster, reference):
+    assert_kv_crosses_the_nodes(cluster, reference, CONFIG, writer="prefill")
 
 
-def advertised(node, what: str) -> bool:
-    """Whether the node's Serve logs say an engine set its side channel to the node's address."""
-    line = f"NIXL {what} engine {what}-r0-{node.ip}-"
-    return any(line in p.read_text(errors="replace") for p in Path(node.temp_dir).glob("session_latest/logs/serve/*.log"))
+def test_a_conversations_history_crosses_back_from_the_decode_node_and_stays_identical(cluster, reference):
+    assert_history_crosses_back(cluster, reference, CONFIG)
 
 
-def test_push_across_nodes_is_token_identical_and_the_kv_crosses_the_decode_nodes_interface(cluster, reference):
+def test_a_lost_prefill_node_loses_no_request_and_prefill_returns_with_the_node(cluster, reference):
+    """SIGKILL every process of the prefill node (raylet, replica, engine) while long prompts are
+    being prefilled there: every request, and one sent during the outage, is answered correctly by
+    decode prefilling it itself (the ladder's first rung), none past the handoff deadline plus its
+    own compute. When the node rejoins, Serve places a prefill replica on it and requests are
+    disaggregated again."""
     plan = cluster.plan
-    prefill, decode = plan.node(NodeKind.PREFILL), plan.node(NodeKind.DECODE)
-    assert advertised(prefill, "prefill") and advertised(decode, "decode")
-    client = SimpleNamespace(post=cluster.http.post)
-    assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
+    old_prefill = _healthy(plan, "Prefill")
+    assert len(old_prefill) == 1, old_prefill
+    cases = [CASE_BY_NAME[name] for name in ("chat-long", "completion-long", "chat-short", "completion-short")]
+    expected = [case.reference(reference) for case in cases]
+    before = _by_prefill_path(plan)
 
-    case = CASE_BY_NAME["completion-long"]
-    case.reference(reference)  # computed before the measured request: the reference engine shares the box
-    metrics = RoleMetrics([plan.metrics_url(NodeKind.PREFILL), plan.metrics_url(NodeKind.DECODE)])
-    before_metrics = metrics.settled_snapshot()
-    before = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
-    got = assert_token_identical(client, reference, case)
-    after = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
-    out_of_prefill = after[NodeKind.PREFILL][0] - before[NodeKind.PREFILL][0]
-    into_decode = after[NodeKind.DECODE][1] - before[NodeKind.DECODE][1]
-    # The prompt's KV but its last token's (decode computes that one), in whole blocks at most.
-    kv = (len(got.prompt_ids) - 1) * kv_bytes_per_token(CONFIG)
-    print(f"\n{len(got.prompt_ids)} prompt tokens, {kv} bytes of KV; out of the prefill node {out_of_prefill} bytes, "
-          f"into the decode node {into_decode} bytes")
-    assert into_decode >= kv and out_of_prefill >= kv, "the KV did not cross the nodes' interfaces"
+    def answer(case):
+        started = time.monotonic()
+        r = cluster.post(case.endpoint, json=case.body(), timeout=300)
+        return r.status_code, r.json(), time.monotonic() - started
 
-    after_metrics = metrics.wait_for(lambda s: delta(s, before_metrics, "prefill", "nixl_xfer_time_seconds_count") >= 1)
-    assert delta(after_metrics, before_metrics, "prefill", "nixl_xfer_time_seconds_count") == 1, "one NIXL WRITE"
+    with cf.ThreadPoolExecutor(len(cases)) as pool:
+        futures = [pool.submit(answer, case) for case in cases]
+        time.sleep(1.0)  # in flight: the long prompts are being prefilled on the prefill node
+        assert kill_node(plan, NodeKind.PREFILL), "no process on the prefill node"
+        results = [f.result() for f in futures]
+    during = [answer(CASE_BY_NAME["completion-short"])]  # no prefill replica to pick now
+    expected.append(CASE_BY_NAME["completion-short"].reference(reference))
+    for case, want, (status, body, seconds) in zip([*cases, CASE_BY_NAME["completion-short"]], expected, results + during):
+        assert status == 200, (case.name, status, body)
+        assert parse_generation(case, body).token_ids == want.token_ids, case.name
+    slowest = max(seconds for _, _, seconds in results + during)
+    print(f"\nanswers during the outage took {[round(s, 1) for *_, s in results + during]} s")
+    # The deadline, then decode's own compute of the longest prompt (~7 s alone; 4 at once on 2 cores).
+    assert slowest < PREFILL_TIMEOUT_S + 90, f"a request took {slowest:.0f} s"
+    # The long prompts were still in prefill when the node went, and the last request came after.
+    grown = _wait_by_prefill_path(plan, before, lambda g: g["fallback"] >= 3)
+    print(f"requests by prefill path: {dict(grown)}")
+    assert grown["fallback"] >= 3 and sum(grown.values()) == len(cases) + 1, dict(grown)
+
+    rejoin(plan, NodeKind.PREFILL)
+    new_prefill = _wait_healthy(plan, "Prefill", gone=old_prefill)
+    assert advertised(plan.node(NodeKind.PREFILL), "prefill", new_prefill), "the new prefill engine is not on the prefill node"
+    before = _by_prefill_path(plan)
+    assert_token_identical(cluster, reference, CASE_BY_NAME["completion-long"])
+    grown = _wait_by_prefill_path(plan, before, lambda g: g["remote"] >= 1)
+    assert grown == Counter({"remote": 1}), f"after the node returned ({new_prefill}): {dict(grown)}"
+
+
+def test_a_lost_decode_node_ends_its_stream_with_an_error_and_decode_returns_with_the_node(cluster, reference):
+    """SIGKILL every process of the decode node while it streams: the client gets an error event
+    and the stream's end (no hang, no cut connection), the ingress counts a decode lost mid-stream;
+    when the node rejoins, Serve places a decode replica on it, which handshakes with prefill anew
+    and answers token-identically with pushed KV."""
+    plan = cluster.plan
+    old_decode = _healthy(plan, "Decode")
+    assert len(old_decode) == 1, old_decode
+    lost_before = _counted(plan, NodeKind.HEAD, "ray_rendezvous_decode_lost_total", "when")
+    body = {"prompt": "Count from one to one thousand:", "max_tokens": 3000, "ignore_eos": True,
+            "temperature": 0, "stream": True}
+    events, started = [], time.monotonic()
+    with cluster.http.stream("POST", "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    assert kill_node(plan, NodeKind.DECODE), "no process on the decode node"
+    print(f"\nthe stream ended {time.monotonic() - started:.0f} s after it began, with {len(events)} events")
+    assert events[-1] == "[DONE]" and len(events) >= 5, events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == 503 and error["type"] == "server_error", error
+    deadline = time.monotonic() + 60  # Ray exports the ingress's counter every few seconds
+    while not (lost := _counted(plan, NodeKind.HEAD, "ray_rendezvous_decode_lost_total", "when") - lost_before):
+        assert time.monotonic() < deadline, "the ingress counted no decode replica lost"
+        time.sleep(1)
+    assert lost == Counter({"mid_stream": 1}), dict(lost)
+
+    rejoin(plan, NodeKind.DECODE)
+    new_decode = _wait_healthy(plan, "Decode", gone=old_decode)
+    assert advertised(plan.node(NodeKind.DECODE), "decode", new_decode), "the new decode engine is not on the decode node"
+    before = cluster.metrics.settled_snapshot()
+    for case in (CASE_BY_NAME["chat-short"], CASE_BY_NAME["completion-long"]):
+        assert_token_identical(cluster, reference, case)
+    after = cluster.metrics.wait_for(lambda s: delta(s, before, "prefill", "nixl_xfer_time_seconds_count") >= 2)
+    assert delta(after, before, "prefill", "nixl_xfer_time_seconds_count") == 2, "one NIXL WRITE per request"
+
+
+# Metrics live on the node of the process that counts them: Serve's controller and the ingress on
+# the head, the decode replica's counters on the decode node.
+
+
+def _counted(plan, kind: NodeKind, name: str, label: str) -> Counter:
+    counts = Counter()
+    for sample, labels, value in scrape_node(plan, kind):
+        if sample == name:
+            counts[labels.get(label, "")] += value
+    return counts
+
+
+def _by_prefill_path(plan) -> Counter:
+    return _counted(plan, NodeKind.DECODE, "ray_rendezvous_requests_total", "prefill")
+
+
+def _wait_by_prefill_path(plan, before: Counter, predicate, timeout_s: float = 60) -> Counter:
+    """The decode replica's requests by prefill path since ``before``, once ``predicate`` holds
+    and then quiet for a few seconds (Ray exports every few seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(_by_prefill_path(plan) - before) and time.monotonic() < deadline:
+        time.sleep(1)
+    time.sleep(6)
+    return _by_prefill_path(plan) - before
+
+
+def _healthy(plan, deployment: str) -> set[str]:
+    """Replicas of ``deployment`` Serve's controller (on the head) reports healthy."""
+    return {
+        labels["replica"] for name, labels, value in scrape_node(plan, NodeKind.HEAD)
+        if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
+        and value == 1
+    }
+
+
+def _wait_healthy(plan, deployment: str, gone: set[str], timeout_s: float = 600) -> set[str]:
+    """Wait until Serve reports a healthy replica of ``deployment`` other than ``gone``."""
+    deadline = time.monotonic() + timeout_s
+    while not (healthy := _healthy(plan, deployment) - gone):
+        assert time.monotonic() < deadline, f"Serve placed no new {deployment} replica in {timeout_s:g} s"
+        time.sleep(3)
+    return healthy

@@ -1,0 +1,134 @@
+"""A head, a prefill and a decode Ray node on this machine (``python -m app.cluster up``, what
+``make serve-cluster`` runs), shared by the cluster test modules: start one, talk to it, and
+check that Ctrl-C of the command leaves nothing behind (no namespace, veth, bridge, process or
+port)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from app.cluster import load_plan, present, teardown
+from app.cluster_plan import ClusterPlan, NodeKind
+from app.procs import AppProcess, busy_ports
+from bench.engine_metrics import RoleMetrics, Sample, delta, scrape
+from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token
+from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
+
+CONFIG = "configs/local-cpu-2node.yaml"
+HTTP_PORT = 8000  # the config's http_options.port
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip"), reason="needs root and iproute2: the nodes live in network namespaces"
+)
+
+
+def running_cluster(config: str, log_dir: Path):
+    """Serve ``config`` on a fresh cluster; yields a client: ``post`` and ``http`` to the head's
+    proxy, ``metrics`` over the decode and prefill nodes (decode first: the conversation counters
+    live there), ``plan`` and ``app``."""
+    plan = load_plan()
+    assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.cluster down"
+    app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT))
+    app.start()
+    try:
+        app.wait_ready(timeout_s=900)
+        http = httpx.Client(base_url=app.base_url, timeout=300)
+        yield SimpleNamespace(
+            plan=plan, app=app, http=http, post=http.post,
+            metrics=RoleMetrics([plan.metrics_url(NodeKind.DECODE), plan.metrics_url(NodeKind.PREFILL)]),
+        )
+    finally:
+        try:
+            code = app.interrupt(timeout_s=300)
+        finally:
+            left = present(plan)
+            if left != ([], []):
+                teardown(plan, app.run_id)  # leave the machine clean, then fail below
+        assert left == ([], []), f"left behind: {left}\n{app.log_tail()}"
+        false_alarms = [line[-200:] for line in app.log_path.open(errors="replace") if "landed wrong" in line]
+        assert not false_alarms, f"KV checksums failed on clean traffic: {false_alarms}"
+        assert not app.leftovers(), f"processes survived Ctrl-C: {app.leftovers()}\n{app.log_tail()}"
+        assert not busy_ports(), f"ports {busy_ports()} bound on this host after the cluster went"
+        assert code in (0, -2, 2, 130), f"exit code {code} after Ctrl-C\n{app.log_tail()}"
+
+
+def link_bytes(link: str) -> tuple[int, int]:
+    """(rx, tx) bytes of a root-namespace link: the host end of a node's veth pair, so its tx is
+    what entered the node's namespace and its rx what left it."""
+    stats = Path("/sys/class/net") / link / "statistics"
+    return int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text())
+
+
+def advertised(node, what: str, replicas: set[str] | None = None) -> bool:
+    """Whether the node's Serve logs say an engine set its side channel to the node's address
+    (only the logs of ``replicas``, Serve's replica ids, if given: a node that rejoined keeps its
+    Ray session's logs)."""
+    line = f"NIXL {what} engine {what}-r0-{node.ip}-"
+    logs = Path(node.temp_dir).glob("session_latest/logs/serve/replica_*.log")
+    if replicas is not None:
+        logs = [p for p in logs if any(p.stem.endswith("_" + r.rsplit("#", 1)[-1]) for r in replicas)]
+    return any(line in p.read_text(errors="replace") for p in logs)
+
+
+def scrape_node(plan: ClusterPlan, kind: NodeKind) -> list[Sample]:
+    """One node's Prometheus samples (the processes on it: Serve's controller and the ingress on
+    the head, each role's replica and engine on its own node)."""
+    return scrape(plan.metrics_url(kind))
+
+
+def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str) -> None:
+    """Token-identical answers across the nodes; each engine advertised its own node's address;
+    a long prompt's KV left the prefill node's interface and entered the decode node's, in one
+    NIXL transfer posted by ``writer`` (prefill WRITEs in push, decode READs in pull)."""
+    plan = cluster.plan
+    prefill, decode = plan.node(NodeKind.PREFILL), plan.node(NodeKind.DECODE)
+    assert advertised(prefill, "prefill") and advertised(decode, "decode")
+    assert_token_identical(cluster, reference, CASE_BY_NAME["chat-short"])
+
+    case = CASE_BY_NAME["completion-long"]
+    case.reference(reference)  # computed before the measured request: the reference engine shares the box
+    before_metrics = cluster.metrics.settled_snapshot()
+    before = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
+    got = assert_token_identical(cluster, reference, case)
+    after = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
+    out_of_prefill = after[NodeKind.PREFILL][0] - before[NodeKind.PREFILL][0]
+    into_decode = after[NodeKind.DECODE][1] - before[NodeKind.DECODE][1]
+    # The prompt's KV but its last token's (decode computes that one), in whole blocks at most.
+    kv = (len(got.prompt_ids) - 1) * kv_bytes_per_token(config)
+    print(f"\n{len(got.prompt_ids)} prompt tokens, {kv} bytes of KV; out of the prefill node {out_of_prefill} bytes, "
+          f"into the decode node {into_decode} bytes")
+    assert into_decode >= kv and out_of_prefill >= kv, "the KV did not cross the nodes' interfaces"
+
+    after_metrics = cluster.metrics.wait_for(lambda s: delta(s, before_metrics, writer, "nixl_xfer_time_seconds_count") >= 1)
+    assert delta(after_metrics, before_metrics, writer, "nixl_xfer_time_seconds_count") == 1, "one NIXL transfer"
+
+
+def assert_history_crosses_back(cluster, reference, config: str) -> None:
+    """A conversation's turns 2 and 3 reuse the history the decode node holds: prefill READs it
+    from there (D->P, out of the decode node's interface) and computes only the new tokens; the
+    answers stay identical to one engine's and the counters agree with the engines."""
+    decode = cluster.plan.node(NodeKind.DECODE)
+    before, engines_before = settled_ours(cluster), cluster.metrics.settled_snapshot()
+    out_before = link_bytes(decode.host_link)[0]
+    conversation = Conversation("across-hosts")
+    for turn, sentences in ((1, 30), (2, 8), (3, 8)):
+        conversation.say(cluster, user_text(turn, sentences))
+    conversation.assert_identical(reference)
+    out_of_decode = link_bytes(decode.host_link)[0] - out_before
+
+    after = wait_ours(cluster, lambda c: c[("conversation_turns", "reused")] - before[("conversation_turns", "reused")] >= 2)
+    counted = {key: after[key] - before[key] for key in after}
+    assert (counted[("conversation_turns", "first_turn")], counted[("conversation_turns", "reused")]) == (1, 2), counted
+    reused = counted[("conversation_prompt_tokens", "reused")]
+    history_bytes = counted[("conversation_kv_bytes", "d_to_p")]
+    print(f"\n{reused} history tokens reused, {history_bytes} bytes read back; {out_of_decode} bytes left the decode node")
+    assert reused > 0 and history_bytes == reused * kv_bytes_per_token(config)
+    assert out_of_decode >= history_bytes, "the history did not leave the decode node"
+    cluster.metrics.wait_for(lambda s: delta(s, engines_before, "prefill", "external_prefix_cache_hits_total") >= reused)
+    assert delta(cluster.metrics.settled_snapshot(), engines_before, "prefill", "external_prefix_cache_hits_total") == reused
