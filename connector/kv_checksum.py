@@ -27,7 +27,9 @@ Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
 transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
 check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
-``shift`` makes prefill write every block into its neighbour's slot.
+``shift`` makes prefill write every block into its neighbour's slot, ``drop-rank`` makes the last
+of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
+waits for every producer rank's notification, then recomputes at the registration's deadline).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ logger = logging.getLogger("vllm.rendezvous")
 
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift", "flip-history")
+FAULTS = ("flip", "shift", "flip-history", "drop-rank")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
 
 
@@ -152,6 +154,9 @@ class KvChecksums:
     # ---------------------------------------------------------------- prefill: sums, then the WRITE
     def _xfer_blocks_for_req(self, req_id, meta):
         remote = meta.remote
+        if injected_fault() == "drop-rank" and self.world_size > 1 and self.tp_rank == self.world_size - 1:
+            logger.warning("fault injection: TP rank %d does not WRITE its share of %s", self.tp_rank, req_id)
+            return None
         try:
             self._send_kv_sums(meta)
         except Exception:  # a check is never worth a transfer

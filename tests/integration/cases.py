@@ -145,14 +145,16 @@ def kv_bytes_per_token(config: str) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype  # K+V
 
 
-def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) -> None:
-    """One long request: exactly one NIXL transfer whose size is about the prompt's KV,
-    and the decode engine took every prompt token from it instead of recomputing.
+def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str, ranks: int = 1) -> None:
+    """One long request: exactly ``ranks`` NIXL transfers, each about the prompt's KV divided
+    by ``ranks``, and the decode engine took every prompt token from them instead of recomputing.
 
-    ``writer`` is the role whose engine posts the transfer: prefill in push (WRITE),
-    decode in pull (READ). Ray exports histogram sums from bucket midpoints, so the size
-    is checked by bucket: the observation's bucket must be the one holding the KV bytes,
-    allowing for the last block's padding.
+    ``writer`` is the role whose engine posts the transfers: prefill in push (WRITE),
+    decode in pull (READ). With tensor parallel on either side the KV moves per rank pair:
+    ``ranks`` is the larger TP size, each transfer one rank's share of the KV heads. Ray
+    exports histogram sums from bucket midpoints, so the size is checked by bucket: the
+    observations' bucket must be the one holding a share's bytes, allowing for the last
+    block's padding.
     """
     metrics = client.metrics
     case = CASE_BY_NAME["completion-long"]
@@ -162,20 +164,21 @@ def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) 
 
     def settled(snap):
         return (
-            delta(snap, before, writer, "nixl_xfer_time_seconds_count") >= 1
+            delta(snap, before, writer, "nixl_xfer_time_seconds_count") >= ranks
             and delta(snap, before, "decode", "external_prefix_cache_hits_total") >= prompt_tokens
         )
 
     metrics.wait_for(settled)
     after = metrics.settled_snapshot()
-    assert delta(after, before, writer, "nixl_xfer_time_seconds_count") == 1, "expected exactly one NIXL transfer"
+    transfers = delta(after, before, writer, "nixl_xfer_time_seconds_count")
+    assert transfers == ranks, f"expected {ranks} NIXL transfer(s), one per rank pair; got {transfers}"
     assert delta(after, before, "decode", "external_prefix_cache_hits_total") == prompt_tokens
     # Histogram sums are bucket midpoints in Ray's export; the le=1 bucket count is exact.
     requests = delta(after, before, "decode", "request_prefill_kv_computed_tokens_count")
     at_most_one = delta(after, before, "decode", "request_prefill_kv_computed_tokens_bucket[le=1.0]")
     assert requests >= 1 and at_most_one == requests, "decode recomputed more than the last prompt token"
 
-    expected = prompt_tokens * kv_bytes_per_token(config)
+    expected = prompt_tokens * kv_bytes_per_token(config) / ranks
     bounds = sorted(
         float(key.split("le=")[1].rstrip("]"))
         for key in after.get(writer, {})
@@ -183,13 +186,13 @@ def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str) 
     )
     grew = [
         le for le in bounds
-        if delta(after, before, writer, f"nixl_bytes_transferred_bucket[le={_fmt(le)}]") >= 1
+        if delta(after, before, writer, f"nixl_bytes_transferred_bucket[le={_fmt(le)}]") >= ranks
     ]
     assert grew, "no NIXL byte observation recorded"
     upper = grew[0]
     lower = max([b for b in bounds if b < upper], default=0.0)
     assert lower < expected * 2 and upper >= expected, (
-        f"transfer of {prompt_tokens} tokens ({expected} bytes of KV) landed in bucket ({lower}, {upper}]"
+        f"{ranks} transfer(s) of {prompt_tokens} tokens ({expected:.0f} bytes of KV each) landed in bucket ({lower}, {upper}]"
     )
     assert math.isfinite(expected)
 

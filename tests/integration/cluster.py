@@ -16,9 +16,8 @@ import pytest
 from app.cluster import load_plan, present, teardown
 from app.cluster_plan import ClusterPlan, NodeKind
 from app.procs import AppProcess, busy_ports
-from bench.engine_metrics import RoleMetrics, Sample, delta, scrape
-from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token
-from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
+from bench.engine_metrics import RoleMetrics, Sample, scrape
+from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical, kv_bytes_per_token
 
 CONFIG = "configs/local-cpu-2node.yaml"
 HTTP_PORT = 8000  # the config's http_options.port
@@ -82,53 +81,25 @@ def scrape_node(plan: ClusterPlan, kind: NodeKind) -> list[Sample]:
     return scrape(plan.metrics_url(kind))
 
 
-def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str) -> None:
+def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str, ranks: int = 1) -> None:
     """Token-identical answers across the nodes; each engine advertised its own node's address;
-    a long prompt's KV left the prefill node's interface and entered the decode node's, in one
-    NIXL transfer posted by ``writer`` (prefill WRITEs in push, decode READs in pull)."""
+    a long prompt's KV left the prefill node's interface and entered the decode node's, in
+    ``ranks`` NIXL transfers posted by ``writer`` (prefill WRITEs in push, decode READs in pull;
+    cases.assert_kv_travelled)."""
     plan = cluster.plan
     prefill, decode = plan.node(NodeKind.PREFILL), plan.node(NodeKind.DECODE)
     assert advertised(prefill, "prefill") and advertised(decode, "decode")
     assert_token_identical(cluster, reference, CASE_BY_NAME["chat-short"])
 
     case = CASE_BY_NAME["completion-long"]
-    case.reference(reference)  # computed before the measured request: the reference engine shares the box
-    before_metrics = cluster.metrics.settled_snapshot()
+    prompt_tokens = len(case.reference(reference).prompt_ids)  # before measuring: the reference engine shares the box
     before = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
-    got = assert_token_identical(cluster, reference, case)
+    assert_kv_travelled(cluster, reference, config, writer, ranks)
     after = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
     out_of_prefill = after[NodeKind.PREFILL][0] - before[NodeKind.PREFILL][0]
     into_decode = after[NodeKind.DECODE][1] - before[NodeKind.DECODE][1]
     # The prompt's KV but its last token's (decode computes that one), in whole blocks at most.
-    kv = (len(got.prompt_ids) - 1) * kv_bytes_per_token(config)
-    print(f"\n{len(got.prompt_ids)} prompt tokens, {kv} bytes of KV; out of the prefill node {out_of_prefill} bytes, "
+    kv = (prompt_tokens - 1) * kv_bytes_per_token(config)
+    print(f"\n{prompt_tokens} prompt tokens, {kv} bytes of KV; out of the prefill node {out_of_prefill} bytes, "
           f"into the decode node {into_decode} bytes")
     assert into_decode >= kv and out_of_prefill >= kv, "the KV did not cross the nodes' interfaces"
-
-    after_metrics = cluster.metrics.wait_for(lambda s: delta(s, before_metrics, writer, "nixl_xfer_time_seconds_count") >= 1)
-    assert delta(after_metrics, before_metrics, writer, "nixl_xfer_time_seconds_count") == 1, "one NIXL transfer"
-
-
-def assert_history_crosses_back(cluster, reference, config: str) -> None:
-    """A conversation's turns 2 and 3 reuse the history the decode node holds: prefill READs it
-    from there (D->P, out of the decode node's interface) and computes only the new tokens; the
-    answers stay identical to one engine's and the counters agree with the engines."""
-    decode = cluster.plan.node(NodeKind.DECODE)
-    before, engines_before = settled_ours(cluster), cluster.metrics.settled_snapshot()
-    out_before = link_bytes(decode.host_link)[0]
-    conversation = Conversation("across-hosts")
-    for turn, sentences in ((1, 30), (2, 8), (3, 8)):
-        conversation.say(cluster, user_text(turn, sentences))
-    conversation.assert_identical(reference)
-    out_of_decode = link_bytes(decode.host_link)[0] - out_before
-
-    after = wait_ours(cluster, lambda c: c[("conversation_turns", "reused")] - before[("conversation_turns", "reused")] >= 2)
-    counted = {key: after[key] - before[key] for key in after}
-    assert (counted[("conversation_turns", "first_turn")], counted[("conversation_turns", "reused")]) == (1, 2), counted
-    reused = counted[("conversation_prompt_tokens", "reused")]
-    history_bytes = counted[("conversation_kv_bytes", "d_to_p")]
-    print(f"\n{reused} history tokens reused, {history_bytes} bytes read back; {out_of_decode} bytes left the decode node")
-    assert reused > 0 and history_bytes == reused * kv_bytes_per_token(config)
-    assert out_of_decode >= history_bytes, "the history did not leave the decode node"
-    cluster.metrics.wait_for(lambda s: delta(s, engines_before, "prefill", "external_prefix_cache_hits_total") >= reused)
-    assert delta(cluster.metrics.settled_snapshot(), engines_before, "prefill", "external_prefix_cache_hits_total") == reused

@@ -1,0 +1,97 @@
+"""Several producer (or consumer) ranks: an engine with tensor parallel 3 on one side of the
+handoff and TP 1 on the other (SmolLM2 has 9 attention heads and 3 KV heads: one KV head a rank).
+The KV moves per rank pair, so one request is three NIXL transfers of a third of its KV each,
+posted by the side that moves the data (prefill WRITEs in push, decode READs in pull), and decode
+may only start once every producer rank's share has landed: vLLM's push worker counts one
+completion notification per producer rank (``pp_size * max(1, P_TP // D_TP)``), its engine
+aggregates the receive over every decode rank. A share missing when decode starts would change
+the greedy float32 answer, which must stay token-identical to one TP 1 engine.
+
+Three of the four combinations run here; the fourth (pull, prefill TP 1 into decode TP 3) runs
+across nodes in test_cluster_pull.py. KV checksums pair descriptors one to one and are off between
+different TP sizes (each prefill worker says so once in the log)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+from bench.engine_metrics import counted_by
+from connector import kv_checksum
+from tests.integration.cases import CASE_BY_NAME, Case, assert_kv_travelled, assert_token_identical, long_text
+from tests.integration.conftest import Client, running_app
+
+BASE = "configs/local-cpu.yaml"
+# (mode, prefill TP, decode TP)
+COMBINATIONS = [("push", 3, 1), ("push", 1, 3), ("pull", 3, 1)]
+# Short deadlines, so that a request whose KV never all lands is recomputed soon (push).
+HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0}
+
+
+def tp_config(log_dir, mode: str, prefill_tp: int, decode_tp: int) -> str:
+    raw = yaml.safe_load(open(BASE))
+    args = raw["applications"][0]["args"]
+    args["mode"], args["handoff"] = mode, HANDOFF
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        if tp > 1:
+            args[role]["engine_kwargs"] = {"tensor_parallel_size": tp}
+    path = log_dir / f"tp-{mode}-p{prefill_tp}d{decode_tp}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+def _id(combination) -> str:
+    mode, prefill_tp, decode_tp = combination
+    return f"{mode}-prefill-tp{prefill_tp}-decode-tp{decode_tp}"
+
+
+@pytest.fixture(scope="module")
+def tp_client(request, log_dir):
+    """One app per combination (tests name theirs: indirect parametrization, so pytest runs every
+    test of one combination on one app start). It can be told to drop one prefill rank's WRITE
+    (connector.kv_checksum's test-only fault switch, ``client.kv_fault``)."""
+    mode, prefill_tp, decode_tp = request.param
+    kv_fault = log_dir / f"kv-fault-{_id(request.param)}"
+    kv_fault.write_text("")
+    env = {kv_checksum.FAULT_FILE_ENV: str(kv_fault), kv_checksum.FAULTS_ALLOWED_ENV: "1"}
+    with running_app(tp_config(log_dir, mode, prefill_tp, decode_tp), log_dir, env=env) as app:
+        client = Client(app)
+        client.combination, client.kv_fault = request.param, kv_fault
+        yield client
+        client.http.close()
+
+
+@pytest.mark.parametrize("tp_client", COMBINATIONS, ids=_id, indirect=True)
+def test_answers_are_token_identical_and_the_kv_moves_once_per_rank_pair(tp_client, reference):
+    mode, prefill_tp, decode_tp = tp_client.combination
+    assert_token_identical(tp_client, reference, CASE_BY_NAME["chat-short"])
+    assert_kv_travelled(tp_client, reference, BASE, writer="prefill" if mode == "push" else "decode",
+                        ranks=max(prefill_tp, decode_tp))
+
+
+@pytest.mark.parametrize("tp_client", COMBINATIONS[:1], ids=_id, indirect=True)
+def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_never_writes(tp_client, reference):
+    """The last of prefill's three ranks skips its WRITE: decode has two of the three completion
+    notifications it counts, so it must not start; at the registration's deadline it recomputes
+    the prompt (the ladder's second rung, counted as prefill="kv_deadline") and the answer is still
+    token-identical. Later requests are pushed whole again."""
+    case = Case("drop-rank", prompt="Rank drill.\n" + long_text(40) + "\nNote 3 says")
+    paths = lambda: counted_by(tp_client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    before = paths()
+    tp_client.kv_fault.write_text("drop-rank")
+    started = time.monotonic()
+    try:
+        assert_token_identical(tp_client, reference, case)
+    finally:
+        tp_client.kv_fault.write_text("")
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while (grown := paths() - before)["kv_deadline"] < 1:
+        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
+        time.sleep(2)
+    print(f"\nanswered in {took:.1f} s (registration deadline {HANDOFF['kv_timeout_s']:g} s); by prefill path: {dict(grown)}")
+    assert dict(grown) == {"kv_deadline": 1}, dict(grown)
+    assert took >= HANDOFF["kv_timeout_s"] - 5, "decode cannot have started before the deadline with two of three shares"
+    assert_kv_travelled(tp_client, reference, BASE, writer="prefill", ranks=3)
