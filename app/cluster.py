@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import psutil
 import yaml
 
 from app.cluster_plan import (
@@ -84,6 +85,16 @@ def namespace_pids(namespaces: list[str]) -> list[int]:
     return sorted(pids - {os.getpid()})
 
 
+def _running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that are not zombies (a zombie is gone but for its parent's reaping)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+    return alive
+
+
 def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, **kwargs)
 
@@ -132,14 +143,18 @@ def _keep_join_env(plan: ClusterPlan, env: dict[str, str]) -> None:
 def kill_node(plan: ClusterPlan, kind: NodeKind) -> list[int]:
     """SIGKILL every process of one node (its raylet, workers, replicas, engines): a lost host.
     Returns the pids that were there."""
-    pids = namespace_pids([plan.node(kind).namespace])
-    for pid in pids:  # no SIGTERM first: a raylet told to stop would say goodbye to the GCS
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while namespace_pids([plan.node(kind).namespace]) and time.monotonic() < deadline:
+    namespace, killed = plan.node(kind).namespace, set()
+    deadline = time.monotonic() + 20
+    # Again until none is left: a process forked while the first signals land was not listed.
+    while (pids := _running(namespace_pids([namespace]))) and time.monotonic() < deadline:
+        for pid in pids:  # no SIGTERM first: a raylet told to stop would say goodbye to the GCS
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed.update(pids)
         time.sleep(0.2)
-    return pids
+    if pids:
+        raise RuntimeError(f"node {kind.value}: processes {pids} outlived SIGKILL")
+    return sorted(killed)
 
 
 def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
@@ -147,8 +162,8 @@ def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
     node = plan.node(kind)
     if node.namespace not in present(plan)[0]:
         raise RuntimeError(f"no namespace {node.namespace}: is the cluster up?")
-    if namespace_pids([node.namespace]):
-        raise RuntimeError(f"node {kind.value} still has processes: `python -m app.cluster kill-node {kind.value}` first")
+    if left := _running(namespace_pids([node.namespace])):
+        raise RuntimeError(f"node {kind.value} still has processes {left}: `python -m app.cluster kill-node {kind.value}` first")
     env = {**new_run_env(keep_existing=True), **json.loads(join_file(plan).read_text())}
     start_node(plan, node, env)
 
