@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import psutil
 import yaml
 
 from app.cluster_plan import (
@@ -44,7 +43,7 @@ from app.cluster_plan import (
     plan_cluster,
     worker_group_resources,
 )
-from app.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness
+from app.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
 
 DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
 RAYSERVICE = REPO / "k8s" / "base" / "rayservice.yaml"  # the worker groups' resources live there
@@ -83,16 +82,6 @@ def namespace_pids(namespaces: list[str]) -> list[int]:
     for ns in namespaces:
         pids |= {int(p) for p in _run(["ip", "netns", "pids", ns]).stdout.split()}
     return sorted(pids - {os.getpid()})
-
-
-def _running(pids: list[int]) -> list[int]:
-    """Those of ``pids`` that are not zombies (a zombie is gone but for its parent's reaping)."""
-    alive = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-    return alive
 
 
 def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -146,7 +135,7 @@ def kill_node(plan: ClusterPlan, kind: NodeKind) -> list[int]:
     namespace, killed = plan.node(kind).namespace, set()
     deadline = time.monotonic() + 20
     # Again until none is left: a process forked while the first signals land was not listed.
-    while (pids := _running(namespace_pids([namespace]))) and time.monotonic() < deadline:
+    while (pids := running(namespace_pids([namespace]))) and time.monotonic() < deadline:
         for pid in pids:  # no SIGTERM first: a raylet told to stop would say goodbye to the GCS
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -162,7 +151,7 @@ def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
     node = plan.node(kind)
     if node.namespace not in present(plan)[0]:
         raise RuntimeError(f"no namespace {node.namespace}: is the cluster up?")
-    if left := _running(namespace_pids([node.namespace])):
+    if left := running(namespace_pids([node.namespace])):
         raise RuntimeError(f"node {kind.value} still has processes {left}: `python -m app.cluster kill-node {kind.value}` first")
     env = {**new_run_env(keep_existing=True), **json.loads(join_file(plan).read_text())}
     start_node(plan, node, env)

@@ -153,6 +153,16 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def running(pids: list[int]) -> list[int]:
+    """Those of ``pids`` that still run (a zombie is gone but for its parent's reaping)."""
+    alive = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if _alive(psutil.Process(pid)):
+                alive.append(pid)
+    return alive
+
+
 class AppProcess:
     """``python -m app.run CONFIG`` (what ``make serve`` runs), or ``make serve`` itself,
     in its own process group."""

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from app.cluster import load_plan, present, teardown
-from app.cluster_plan import ClusterPlan, NodeKind
+from app.cluster_plan import NodeKind
 from app.procs import AppProcess, busy_ports
-from bench.engine_metrics import RoleMetrics, Sample, scrape
+from bench.engine_metrics import RoleMetrics
 from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical, kv_bytes_per_token
 
 CONFIG = "configs/local-cpu-2node.yaml"
@@ -73,12 +73,6 @@ def advertised(node, what: str, replicas: set[str] | None = None) -> bool:
     if replicas is not None:
         logs = [p for p in logs if any(p.stem.endswith("_" + r.rsplit("#", 1)[-1]) for r in replicas)]
     return any(line in p.read_text(errors="replace") for p in logs)
-
-
-def scrape_node(plan: ClusterPlan, kind: NodeKind) -> list[Sample]:
-    """One node's Prometheus samples (the processes on it: Serve's controller and the ingress on
-    the head, each role's replica and engine on its own node)."""
-    return scrape(plan.metrics_url(kind))
 
 
 def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str, ranks: int = 1) -> None:

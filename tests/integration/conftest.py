@@ -95,11 +95,12 @@ class Client:
         return self.http.post(path, **kwargs)
 
 
-def with_args(config: str, log_dir: Path, **args) -> str:
-    """``config`` with some app ``args`` replaced (e.g. a short retention for a test), as a new file."""
+def with_args(config: str, log_dir: Path, name: str | None = None, **args) -> str:
+    """``config`` with some app ``args`` replaced (e.g. a short retention for a test), as a new file
+    (``name``.yaml, which also names the app's log; default ``<config>-test``)."""
     raw = yaml.safe_load(Path(config).read_text())
     raw["applications"][0]["args"].update(args)
-    derived = log_dir / f"{Path(config).stem}-test.yaml"
+    derived = log_dir / f"{name or Path(config).stem + '-test'}.yaml"
     derived.write_text(yaml.safe_dump(raw))
     return str(derived)
 

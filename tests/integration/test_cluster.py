@@ -16,7 +16,7 @@ import pytest
 
 from app.cluster import kill_node, rejoin
 from app.cluster_plan import NodeKind
-from bench.engine_metrics import delta
+from bench.engine_metrics import counted_by, delta, scrape
 from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token, parse_generation
 from tests.integration.cluster import (
     CONFIG,
@@ -25,7 +25,6 @@ from tests.integration.cluster import (
     link_bytes,
     needs_root,
     running_cluster,
-    scrape_node,
 )
 from tests.integration.conftest import with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
@@ -175,11 +174,7 @@ def test_a_lost_decode_node_ends_its_stream_with_an_error_and_decode_returns_wit
 
 
 def _counted(plan, kind: NodeKind, name: str, label: str) -> Counter:
-    counts = Counter()
-    for sample, labels, value in scrape_node(plan, kind):
-        if sample == name:
-            counts[labels.get(label, "")] += value
-    return counts
+    return counted_by(plan.metrics_url(kind), name, label)
 
 
 def _by_prefill_path(plan) -> Counter:
@@ -199,7 +194,7 @@ def _wait_by_prefill_path(plan, before: Counter, predicate, timeout_s: float = 6
 def _healthy(plan, deployment: str) -> set[str]:
     """Replicas of ``deployment`` Serve's controller (on the head) reports healthy."""
     return {
-        labels["replica"] for name, labels, value in scrape_node(plan, NodeKind.HEAD)
+        labels["replica"] for name, labels, value in scrape(plan.metrics_url(NodeKind.HEAD))
         if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
         and value == 1
     }

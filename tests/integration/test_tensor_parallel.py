@@ -23,7 +23,7 @@ import yaml
 from bench.engine_metrics import counted_by
 from connector import kv_checksum
 from tests.integration.cases import CASE_BY_NAME, Case, assert_kv_travelled, assert_token_identical, long_text
-from tests.integration.conftest import Client, running_app
+from tests.integration.conftest import Client, running_app, with_args
 
 BASE = "configs/local-cpu.yaml"
 # (mode, prefill TP, decode TP)
@@ -33,15 +33,10 @@ HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0}
 
 
 def tp_config(log_dir, mode: str, prefill_tp: int, decode_tp: int) -> str:
-    raw = yaml.safe_load(open(BASE))
-    args = raw["applications"][0]["args"]
-    args["mode"], args["handoff"] = mode, HANDOFF
-    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-        if tp > 1:
-            args[role]["engine_kwargs"] = {"tensor_parallel_size": tp}
-    path = log_dir / f"tp-{mode}-p{prefill_tp}d{decode_tp}.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    return str(path)
+    roles = yaml.safe_load(open(BASE))["applications"][0]["args"]
+    tp = {"prefill": prefill_tp, "decode": decode_tp}
+    return with_args(BASE, log_dir, name=f"tp-{mode}-p{prefill_tp}d{decode_tp}", mode=mode, handoff=HANDOFF, **{
+        role: {**roles[role], "engine_kwargs": {"tensor_parallel_size": tp[role]}} for role in tp if tp[role] > 1})
 
 
 def _id(combination) -> str:

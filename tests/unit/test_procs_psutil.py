@@ -14,7 +14,7 @@ import uuid
 import psutil
 import pytest
 
-from app.procs import MARKER, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env
+from app.procs import MARKER, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env, running
 
 PYTHON = sys.executable
 
@@ -176,3 +176,13 @@ def test_the_command_ends_only_the_given_runs_processes(started):
     assert out.stdout.splitlines() == [f"1 process(es): [{ours.pid}]", "all ended"]
     assert ours.wait(timeout=5) == -signal.SIGTERM
     assert other.poll() is None
+
+
+def test_running_leaves_out_zombies_and_the_gone():
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while running([zombie.pid]):  # exited, not yet reaped: a zombie
+        pass
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert running([os.getpid(), zombie.pid, gone.pid]) == [os.getpid()]
+    zombie.wait()
