@@ -238,9 +238,10 @@ class HandoffArgs(_Strict):
         f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
     )
     kv_checksums: bool = Field(
-        True, description="Push: prefill sums every block it WRITEs (per layer) and decode checks what landed before "
-        "using it; KV that landed wrong is recomputed by decode (counted as prefill path `kv_mismatch`). "
-        "connector/kv_checksum.py; its cost is in docs/benchmarks.md."
+        True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "
+        "it (push: the sums go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "
+        "wrong is recomputed by decode (counted as prefill path `kv_mismatch`). connector/kv_checksum.py, "
+        "connector/pull_checksum.py; its cost is in docs/benchmarks.md."
     )
 
     @model_validator(mode="after")

@@ -41,10 +41,9 @@ CPU_DEFAULT_ENV = {
 
 
 def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
-    extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
+    extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends), KV_CHECKSUMS_KEY: args.handoff.kv_checksums}
     if args.mode is TransferMode.PUSH:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
-        extra[KV_CHECKSUMS_KEY] = args.handoff.kv_checksums
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     elif args.upstream_pull_history:
         extra[BIDIRECTIONAL_KEY] = True

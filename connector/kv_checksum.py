@@ -21,7 +21,8 @@ Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted 
 that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
 Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
 physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
-sent and nothing is checked (logged once). Push mode only: pull's READs are vLLM's own.
+sent and nothing is checked (logged once). Pull mode's READs are checked the same way on landing
+(``KvSumsCheck``); the sums travel with the request instead (``connector.pull_checksum``).
 
 Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
@@ -84,8 +85,9 @@ def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
     return [(int(r), int(b)) for r, b in zip(*np.nonzero(expected != got))]
 
 
-class KvChecksums:
-    """Mixin for the push worker (put before vLLM's class); both roles."""
+class KvSumsCheck:
+    """Mixin for a NIXL worker (put before vLLM's class): sums of blocks, and the check of a receive
+    against the sums its sender computed (``_expected``, filled by the mode's own mixin)."""
 
     _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
 
@@ -150,6 +152,69 @@ class KvChecksums:
         runs = _runs(list(block_ids))
         return torch.stack([torch.cat([region[start:start + n].sum(dim=1) for start, n in runs])
                             for region in regions]).cpu().numpy()
+
+    def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
+        """Sums awaiting their receive, by request (pushes, pulls) or turn (history reads); the oldest dropped."""
+        expected = self.__dict__.setdefault(name, OrderedDict())
+        while len(expected) > _EXPECTED_KEPT:
+            expected.popitem(last=False)
+        return expected
+
+    def _pop_done_transfers(self, transfers):
+        done = super()._pop_done_transfers(transfers)
+        if transfers is not getattr(self, "_recving_transfers", None) or not done:
+            return done
+        for req_id in list(done):
+            meta = self._recving_metadata.get(req_id)
+            if meta is None or len(meta.local_physical_block_ids) != 1:
+                continue
+            remote = getattr(meta, "remote", None)
+            history = remote is not None and remote.request_id == HISTORY_READ_ID
+            checked = self._landed_right(req_id, meta, history)
+            if checked is not False:
+                continue
+            done.discard(req_id)
+            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
+            self._failed_recv_reqs.put(req_id)
+            if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
+                self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
+            else:  # decode: its replica counts the request (prefill="kv_mismatch")
+                send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
+        return done
+
+    def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
+        """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
+        blocks = list(meta.local_physical_block_ids[0])
+        if history:
+            offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
+            if offered is None:
+                return None
+            column = {block: i for i, block in enumerate(offered[0])}
+            read = list(meta.remote.block_ids[0])
+            if len(read) != len(blocks) or any(b not in column for b in read):
+                return None  # not the one-to-one READ of offered blocks the sums describe
+            expected = offered[1][:, [column[b] for b in read]]
+        else:
+            expected = self._expected().pop(req_id, None)
+            if expected is None:
+                return None
+        fault = injected_fault()
+        if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
+            self._kv_regions()[0][blocks[0], 0] ^= 0xFF
+            logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
+        got = self.kv_sums(blocks)
+        if got is None:
+            return None
+        wrong = mismatches(expected, got)
+        if wrong:
+            logger.warning("KV of %s landed wrong%s: %d of %d (layer region, block) sums differ, first %s; %s",
+                           req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
+                           wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
+        return not wrong
+
+
+class KvChecksums(KvSumsCheck):
+    """Mixin for the push worker (put before vLLM's class); both roles."""
 
     # ---------------------------------------------------------------- prefill: sums, then the WRITE
     def _xfer_blocks_for_req(self, req_id, meta):
@@ -234,14 +299,7 @@ class KvChecksums:
         meta.mismatched |= mismatched
         return meta
 
-    def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
-        """Sums awaiting their receive, by request (pushes) or turn (history reads); the oldest dropped."""
-        expected = self.__dict__.setdefault(name, OrderedDict())
-        while len(expected) > _EXPECTED_KEPT:
-            expected.popitem(last=False)
-        return expected
-
-    # ---------------------------------------------------------------- decode: keep the sums, check what landed
+    # ---------------------------------------------------------------- decode: keep the sums (checked on landing)
     def _get_new_notifs(self) -> set[str]:
         expected = self._expected()
         for notif in take(self._pending_completion_notifs, KV_SUMS_NOTIF):
@@ -252,58 +310,6 @@ class KvChecksums:
                 continue
             expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
         return super()._get_new_notifs()
-
-    def _pop_done_transfers(self, transfers):
-        done = super()._pop_done_transfers(transfers)
-        if transfers is not getattr(self, "_recving_transfers", None) or not done:
-            return done
-        for req_id in list(done):
-            meta = self._recving_metadata.get(req_id)
-            if meta is None or len(meta.local_physical_block_ids) != 1:
-                continue
-            remote = getattr(meta, "remote", None)
-            history = remote is not None and remote.request_id == HISTORY_READ_ID
-            checked = self._landed_right(req_id, meta, history)
-            if checked is not False:
-                continue
-            done.discard(req_id)
-            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
-            self._failed_recv_reqs.put(req_id)
-            if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
-                self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
-            else:  # decode: its replica counts the request (prefill="kv_mismatch")
-                send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
-        return done
-
-    def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
-        """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
-        blocks = list(meta.local_physical_block_ids[0])
-        if history:
-            offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
-            if offered is None:
-                return None
-            column = {block: i for i, block in enumerate(offered[0])}
-            read = list(meta.remote.block_ids[0])
-            if len(read) != len(blocks) or any(b not in column for b in read):
-                return None  # not the one-to-one READ of offered blocks the sums describe
-            expected = offered[1][:, [column[b] for b in read]]
-        else:
-            expected = self._expected().pop(req_id, None)
-            if expected is None:
-                return None
-        fault = injected_fault()
-        if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
-            self._kv_regions()[0][blocks[0], 0] ^= 0xFF
-            logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
-        got = self.kv_sums(blocks)
-        if got is None:
-            return None
-        wrong = mismatches(expected, got)
-        if wrong:
-            logger.warning("KV of %s landed wrong%s: %d of %d (layer region, block) sums differ, first %s; %s",
-                           req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
-                           wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
-        return not wrong
 
 
 def _runs(block_ids: list[int]) -> list[tuple[int, int]]:

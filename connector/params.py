@@ -28,9 +28,12 @@ CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PU
 # kv_connector_extra_config key of our push connector: seconds decode waits for pushed KV
 # (see connector/vllm_connectors.py).
 KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
-# kv_connector_extra_config key of our push connector: sum pushed KV and check it on landing
-# (connector/kv_checksum.py); both roles must agree.
+# kv_connector_extra_config key of our connectors: sum the KV prefill sends and check it on landing
+# (connector/kv_checksum.py, connector/pull_checksum.py); both roles must agree.
 KV_CHECKSUMS_KEY = "rendezvous_kv_checksums"
+# Pull: the sums of the KV a prefill leg leaves for decode to READ, in prefill's response and so in
+# the decode leg's kv_transfer_params (connector/pull_checksum.py).
+KV_SUMS_KEY = "rendezvous_kv_sums"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 

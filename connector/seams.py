@@ -117,6 +117,7 @@ T_STREAM = _T + "test_the_ingress_streams_through_the_method_we_wrap"
 T_RESPONSE = _T + "test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend"
 T_CHECKSUM = _T + "test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on"
 T_HANDLE = _T + "test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap"
+T_PULL_SUMS = _T + "test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride_in"
 
 _CONNECTORS = ("connector/vllm_connectors.py",)
 _IDLE = ("connector/idle_wait.py",)
@@ -124,6 +125,7 @@ _REUSE = ("connector/push_reuse.py",)
 _DEADLINE = ("connector/push_deadline.py",)
 _STAGES = ("connector/stages.py",)
 _CHECKSUM = ("connector/kv_checksum.py",)
+_PULL_SUMS = ("connector/pull_checksum.py",)
 _ORDER = ("connector/transfer_order.py",)
 _ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
 
@@ -245,6 +247,34 @@ SEAMS: list[Seam] = [
          "keep history blocks only for the turns that ask; stamp prefill's stages", checked_by=T_PULL),
     Seam("vllm", _PULL_S, "is_bidirectional_kv_xfer_enabled", "instance", ("connector/pull_history.py",),
          "lower vLLM's keep-for-read-back flag per request", checked_by=T_PULL),
+    # ------------------------------------------------------------------ vLLM: pull checksums (connector/pull_checksum.py)
+    Seam("vllm", f"{_NIXL}.connector:NixlPullConnector", "connector_worker", "instance", _CONNECTORS,
+         "swap __class__ of the pull worker vLLM built for PullWorker (sums on prefill, the check on decode)",
+         snippet="self.connector_worker = NixlPullConnectorWorker("),
+    *_per("vllm", _PULL_S, "method", {
+        "update_state_after_alloc": _PULL_SUMS, "build_connector_meta": _PULL_SUMS, "update_connector_output": _PULL_SUMS,
+    }, "find the prefill legs to sum and the decode legs to check; put the sums into prefill's params",
+        checked_by=T_PULL_SUMS),
+    Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "update_from_output", "behaviour", _PULL_SUMS,
+         "request_finished's params dict goes into the step's output, update_connector_output runs after it, the "
+         "outputs leave after both: sums added to that dict reach prefill's response", checked_by=T_PULL_SUMS),
+    *_each("vllm", "vllm.v1.core.sched.output:NewRequestData", ("req_id", "block_ids", "num_computed_tokens"),
+           "attribute", _PULL_SUMS, "a prefill leg's blocks, and whether this step completes its prompt"),
+    *_each("vllm", "vllm.v1.core.sched.output:CachedRequestData",
+           ("req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"), "attribute", _PULL_SUMS,
+           "a chunked or resumed prefill leg's blocks, and whether this step completes its prompt"),
+    *_each("vllm", "vllm.v1.core.sched.output:SchedulerOutput",
+           ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens"), "attribute", _PULL_SUMS,
+           "which prefill legs this step schedules, and how many tokens"),
+    Seam("vllm", _PULL_W, "start_load_kv", "method", _PULL_SUMS, "take the step's blocks to sum and sums to check"),
+    *_each("vllm", _PULL_W, ("block_size", "_physical_blocks_per_logical_kv_block", "world_size", "tp_rank"),
+           "instance", _PULL_SUMS, "say which layout the sums are of; check only where both sides' layouts match"),
+    Seam("vllm", _PULL_W, "_logical_to_kernel_block_ids", "method", _PULL_SUMS, "sum the kernel blocks of a prefill leg"),
+    *_each("vllm", _PULL_W, ("_recving_metadata", "_recving_transfers", "_invalid_block_ids", "_failed_recv_reqs",
+                             "src_blocks_data", "num_regions", "num_blocks", "device_kv_caches"), "instance", _CHECKSUM,
+           "sum and check the KV a READ moves as for a WRITE (KvSumsCheck on the pull worker)", checked_by=T_CHECKSUM),
+    Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _CHECKSUM, "check a READ when vLLM pops it as done",
+         checked_by=T_CHECKSUM),
     # ------------------------------------------------------------------ vLLM: engine loop (connector/idle_wait.py)
     Seam("vllm", "vllm.v1.engine.core", "EngineCoreProc", "import", _IDLE,
          "find the engine core up the stack (stack_self) to hook its input queue", checked_by=T_IDLE),

@@ -24,7 +24,8 @@ Push only, in their own modules: a deadline on pushed KV (``connector.push_deadl
 reuse of a conversation's history held by decode (``connector.push_reuse``), and engines
 that sleep instead of stepping while they only wait for KV (``connector.idle_wait``), and
 checksums of pushed KV, checked on landing (``connector.kv_checksum``). Pull only:
-vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``). Both:
+vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``), and
+checksums of pulled KV, carried with the request (``connector.pull_checksum``). Both:
 transfers that start before the forward pass where it blocks (``connector.transfer_order``).
 """
 
@@ -42,11 +43,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
     NixlPullConnector,
     NixlPushConnector,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
 from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_CHECKSUMS_KEY, KV_TIMEOUT_KEY
+from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock, WriteClock
 from connector.transfer_order import TransfersFirst
@@ -89,7 +92,11 @@ class PushScheduler(TransfersFirst, StageClock, IdleScheduler):
     pass
 
 
-class PullScheduler(TransfersFirst, StageClock, HistoryPullScheduler):
+class PullScheduler(PullSumsScheduler, TransfersFirst, StageClock, HistoryPullScheduler):
+    pass
+
+
+class PullWorker(PullSumsWorker, NixlPullConnectorWorker):
     pass
 
 
@@ -136,5 +143,14 @@ class RendezvousPullConnector(NixlPullConnector):
         _calm_ucx_progress(vllm_config)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
+        checksums = bool((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(KV_CHECKSUMS_KEY, True))
         if self.connector_scheduler is not None:  # swapped in, as for push above
             self.connector_scheduler.__class__ = PullScheduler
+            self.connector_scheduler._kv_checksums = checksums
+        if self.connector_worker is not None and type(self.connector_worker) is NixlPullConnectorWorker:
+            self.connector_worker.__class__ = PullWorker
+            self.connector_worker._kv_checksums = checksums
+
+    def build_connector_worker_meta(self):
+        build = getattr(self.connector_worker, "build_connector_worker_meta", None)
+        return build() if build is not None else None

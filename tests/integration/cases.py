@@ -232,5 +232,30 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceE
     assert delta(engines, engines_before, "prefill", "e2e_request_latency_seconds_count") == 1
 
 
+def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
+    """KV checksums (connector.kv_checksum, connector.pull_checksum): with the test-only ``fault`` on
+    (``client.kv_fault``; conftest's ``kv_fault_switch``), one request's KV lands wrong; decode
+    recomputes the prompt, so the answer is still token-identical to one engine, the request is
+    counted as prefill="kv_mismatch" and the app log names the mismatch."""
+    case = Case(f"kv-fault-{fault}", prompt=f"Checksum drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
+    counted = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill").get("kv_mismatch", 0)  # noqa: E731
+    before = counted()
+    client.kv_fault.write_text(fault)
+    try:
+        assert_token_identical(client, ref, case)
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while counted() < before + 1:
+        assert time.monotonic() < deadline, "the mismatch was not counted as prefill=kv_mismatch"
+        time.sleep(2)
+    assert counted() == before + 1
+    deadline = time.monotonic() + 10
+    while client.kv_mismatches_logged() < client.kv_faults_injected:
+        assert time.monotonic() < deadline, "no warning naming the mismatch in the app log"
+        time.sleep(1)
+
+
 def _fmt(le: float) -> str:
     return repr(le)

@@ -15,7 +15,7 @@ import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import RoleMetrics
-from connector.kv_checksum import FAULT_FILE_ENV
+from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
@@ -105,11 +105,34 @@ def with_args(config: str, log_dir: Path, name: str | None = None, **args) -> st
     return str(derived)
 
 
-def app_client(config: str, log_dir: Path, how: str = "app.run"):
-    with running_app(config, log_dir, how) as app:
-        client = Client(app)
+def app_client(config: str, log_dir: Path, how: str = "app.run", switch: KvFaultSwitch | None = None):
+    with running_app(config, log_dir, how, env=switch.env if switch else None) as app:
+        client = Client(app) if switch is None else switch.attach(Client(app))
         yield client
         client.http.close()
+        if switch is not None:
+            switch.assert_only_injected_mismatches(client)
+
+
+class KvFaultSwitch:
+    """connector.kv_checksum's test-only fault switch for one app: a file its engines read at each
+    transfer (``client.kv_fault``), and a count of the faults a test injected (``kv_faults_injected``),
+    against which the app log's mismatches are checked at the end: clean traffic raised no false alarm."""
+
+    def __init__(self, path: Path):
+        path.write_text("")
+        self.path, self.env = path, {FAULT_FILE_ENV: str(path), FAULTS_ALLOWED_ENV: "1"}
+
+    def attach(self, client: Client) -> Client:
+        client.kv_fault, client.kv_faults_injected = self.path, 0
+        client.kv_mismatches_logged = lambda: sum("landed wrong" in line for line in client.app.log_path.open(errors="replace"))
+        return client
+
+    def assert_only_injected_mismatches(self, client: Client) -> None:
+        # From the log: a replica's counters go with it, and some modules kill one.
+        mismatches = client.kv_mismatches_logged()
+        assert mismatches == client.kv_faults_injected, f"{mismatches} KV mismatches, {client.kv_faults_injected} injected"
+
 
 
 IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")

@@ -19,15 +19,18 @@ from tests.integration.cases import (
     CASE_BY_NAME,
     CASES,
     STREAMED,
+    Case,
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
+    assert_wrong_kv_is_caught,
     kv_bytes_per_token,
+    long_text,
     parse_generation,
 )
 from bench.engine_metrics import delta, scrape
-from tests.integration.conftest import app_client, with_args
+from tests.integration.conftest import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-pull.yaml"
@@ -37,10 +40,11 @@ CONFIG = "configs/local-cpu-pull.yaml"
 def client(log_dir):
     # Two decode replicas, so that late binding has a choice to make; vLLM's own read-back
     # of conversation history (pull_history: upstream), so that the comparison path is
-    # exercised; requests without a conversation_id behave as by default.
+    # exercised; requests without a conversation_id behave as by default. KV can be corrupted on
+    # purpose (client.kv_fault): the module ends checking that only those were caught.
     decode = yaml.safe_load(Path(CONFIG).read_text())["applications"][0]["args"]["decode"]
     config = with_args(CONFIG, log_dir, decode={**decode, "replicas": 2}, conversations={"pull_history": "upstream"})
-    yield from app_client(config, log_dir, how="serve")
+    yield from app_client(config, log_dir, how="serve", switch=KvFaultSwitch(log_dir / "kv-fault-pull"))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -55,6 +59,13 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
 
 def test_kv_was_read_by_decode_not_recomputed(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="decode")
+
+
+def test_pulled_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(client, reference):
+    """connector.pull_checksum: prefill's sums travel with its response to the decode leg, whose
+    workers check what their READ landed. A byte flipped after landing (a bad transport) makes decode
+    recompute the prompt: the answer is still token-identical to one engine, counted as kv_mismatch."""
+    assert_wrong_kv_is_caught(client, reference, "flip")
 
 
 def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):
@@ -117,7 +128,9 @@ def test_decode_is_picked_when_prefill_is_done_by_the_load_then(client, referenc
     prefill is done the other replica has less to do, and the request is decoded there.
     The loads are two 2-core engines' real ones: the scenario runs a second time if the
     first one's late pick kept the request (seen once in a full suite run, not alone)."""
-    case = CASE_BY_NAME["completion-long"]  # its prefill takes seconds here
+    # Its prefill takes seconds here (~6 s alone, ~15 s beside the three generations below; twice that for
+    # completion-long, which then met the 30 s prefill deadline and fell back instead of being picked late).
+    case = Case("late-pick", prompt=long_text(70) + "\nQuestion: which animal crossed river 5 in note 31? Answer:")
     case.reference(reference)  # before the load: the reference engine would compete for the cores
     late = {}
     for attempt in range(2):

@@ -26,7 +26,6 @@ import pytest
 from app.model_source import resolve_model_source
 from app.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
 from app.timeline import LOG_MARKER, RequestTimeline
-from connector import kv_checksum
 from bench.engine_metrics import counted_by, scrape
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
@@ -44,6 +43,7 @@ from tests.integration.cases import (
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
+    assert_wrong_kv_is_caught,
     long_text,
     parse_generation,
     parse_stream_generation,
@@ -51,7 +51,7 @@ from tests.integration.cases import (
 )
 from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
 from tests.integration.reference import app_args
-from tests.integration.conftest import Client, running_app, wait_until_idle
+from tests.integration.conftest import Client, KvFaultSwitch, running_app, wait_until_idle
 from tests.integration.prometheus import prometheus_scraping
 from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
@@ -63,18 +63,14 @@ def client(log_dir):
     """The app, and a real Prometheus scraping it from the start (with the alert rules loaded). The app
     can be told to corrupt pushed KV (connector.kv_checksum): ``client.kv_fault`` is the switch. At the
     end, the mismatches counted are exactly the ones injected: clean traffic raised no false alarm."""
-    kv_fault = log_dir / "kv-fault"
-    kv_fault.write_text("")
-    env = {kv_checksum.FAULT_FILE_ENV: str(kv_fault), kv_checksum.FAULTS_ALLOWED_ENV: "1"}
-    with running_app(CONFIG, log_dir, how="make", env=env) as app, \
+    switch = KvFaultSwitch(log_dir / "kv-fault")
+    with running_app(CONFIG, log_dir, how="make", env=switch.env) as app, \
             prometheus_scraping(app.metrics_url(), log_dir / "prometheus-push", (ALERT_RULES,)) as prometheus:
-        client = Client(app)
-        client.prometheus, client.kv_fault, client.kv_faults_injected = prometheus, kv_fault, 0
+        client = switch.attach(Client(app))
+        client.prometheus = prometheus
         yield client
         client.http.close()
-        # From the log: a replica's counters go with it, and this module kills one.
-        mismatches = sum("landed wrong" in line for line in app.log_path.open(errors="replace"))
-        assert mismatches == client.kv_faults_injected, f"{mismatches} KV mismatches, {client.kv_faults_injected} injected"
+        switch.assert_only_injected_mismatches(client)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -268,25 +264,7 @@ def test_pushed_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(c
     after landing (a bad transport) or every block written into its neighbour's slot (a mapping error),
     decode recomputes the prompt: the answer is still token-identical to one engine, and the request is
     counted as prefill="kv_mismatch"."""
-    case = Case(f"kv-fault-{fault}", prompt=f"Checksum drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
-    counted = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill").get("kv_mismatch", 0)  # noqa: E731
-    before = counted()
-    client.kv_fault.write_text(fault)
-    try:
-        assert_token_identical(client, reference, case)
-    finally:
-        client.kv_fault.write_text("")
-    client.kv_faults_injected += 1
-    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while counted() < before + 1:
-        assert time.monotonic() < deadline, "the mismatch was not counted as prefill=kv_mismatch"
-        time.sleep(2)
-    assert counted() == before + 1
-    deadline = time.monotonic() + 10
-    warned = lambda: sum("landed wrong" in line for line in client.app.log_path.open(errors="replace"))  # noqa: E731
-    while warned() < client.kv_faults_injected:
-        assert time.monotonic() < deadline, "no warning naming the mismatch in the app log"
-        time.sleep(1)
+    assert_wrong_kv_is_caught(client, reference, fault)
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.

@@ -110,11 +110,12 @@ def test_kv_transfer_config_names_our_connector(mode, role, kv_role):
     extra = ktc["kv_connector_extra_config"]
     assert extra["backends"] == ["UCX", "LIBFABRIC"]
     assert extra["kv_lease_duration"] == 60 and extra["push_registration_timeout"] == 5
-    # Push: both roles sum or check the KV they move (connector.kv_checksum), unless the config says not to.
-    assert extra.get("rendezvous_kv_checksums") == (True if mode == "push" else None)
+    # Both modes: both roles sum or check the KV they move (connector.kv_checksum, connector.pull_checksum),
+    # unless the config says not to.
+    assert extra["rendezvous_kv_checksums"] is True
     off = AppArgs.parse({**CPU_RAW, "mode": mode, "handoff": {"kv_checksums": False}})
-    assert cfg(role, off)["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"].get(
-        "rendezvous_kv_checksums") == (False if mode == "push" else None)
+    assert cfg(role, off)["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"][
+        "rendezvous_kv_checksums"] is False
     # Our engine-id is set per replica by the Ray backend, never here.
     assert "engine_id" not in ktc
 

@@ -750,6 +750,32 @@ def test_vllm_pull_read_back_internals_we_rely_on():
     assert "kv_transfer_params=final_res.kv_transfer_params" in inspect.getsource(chat_serving)  # not in streams
 
 
+def test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride_in():
+    """connector.pull_checksum: prefill's workers sum a leg's blocks after the step that completes its
+    prompt; the scheduler adds the sums to the params dict request_finished returned in that step."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
+
+    step = inspect.getsource(Scheduler.update_from_output)
+    finished = step.index("kv_transfer_params, ec_transfer_params = self._free_request(request)")
+    assert finished < step.index("kv_transfer_params=kv_transfer_params,")  # the same dict, in the output
+    assert finished < step.index("self._update_from_kv_xfer_finished(kv_connector_output)")
+    assert "self.connector.update_connector_output(kv_connector_output)" in inspect.getsource(
+        Scheduler._update_from_kv_xfer_finished)
+    # The pull scheduler's prefill params are a fresh dict it returns (ours is that object).
+    assert "return delay_free_blocks, dict(" in inspect.getsource(pull_scheduler.NixlPullConnectorScheduler.request_finished)
+    for mixin, upstream in ((PullSumsScheduler, pull_scheduler.NixlPullConnectorScheduler),):
+        for method in ("update_state_after_alloc", "build_connector_meta", "request_finished", "update_connector_output"):
+            assert list(inspect.signature(getattr(mixin, method)).parameters) == list(
+                inspect.signature(getattr(upstream, method)).parameters), method
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+    assert list(inspect.signature(PullSumsWorker.start_load_kv).parameters) == list(
+        inspect.signature(NixlPullConnectorWorker.start_load_kv).parameters)
+
+
 def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
     """nixl_agent.__init__ sets pthrDelay = 0 (a busy-polling progress thread once
     connected); connector.nixl_progress swaps in a config class that keeps it >= 1 ms.

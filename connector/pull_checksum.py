@@ -1,0 +1,198 @@
+"""Checksums of pulled KV (vLLM-side; no Ray, no ``app``): what decode's READ landed is checked
+against what prefill computed, before decode uses it.
+
+Push sends the sums in a NIXL notification just before its WRITE (``connector.kv_checksum``). In
+pull, prefill never talks to decode's agent, so the sums travel with the request instead:
+
+1. Prefill's scheduler tells its workers, in the step's connector metadata, which prefill legs
+   complete their prompt in this step and in which blocks (``SUM_BLOCKS_ATTR``).
+2. After the forward pass each worker sums those blocks, per (layer region, block) as push does,
+   and hands them back in the step's worker metadata (:class:`PulledSums`, one entry per TP rank).
+3. The scheduler puts them into the ``kv_transfer_params`` that ``request_finished`` returned for
+   the same request in the same step, under ``KV_SUMS_KEY``: vLLM calls ``request_finished`` and
+   then ``update_connector_output`` within one ``update_from_output``, and sends the step's
+   outputs (which hold that dict) only after it (a seam, ``tests/unit/test_seams.py``).
+4. The orchestrator hands prefill's params to the decode leg as they are. Decode's scheduler passes
+   the sums to its workers with the READ (``EXPECTED_ATTR``); each worker keeps its rank's, trimmed
+   to the blocks it reads (decode may have the first ones cached), and ``KvSumsCheck`` checks the
+   READ when it completes: a mismatch fails the load (vLLM recomputes the prompt), counted as
+   ``prefill="kv_mismatch"``.
+
+Checked only where both sides' descriptors pair one to one (same TP size, block size and physical
+blocks per logical block); elsewhere decode logs once and does not check. Not covered: the
+history prefill reads back from decode (``pull_history: upstream``, vLLM's own READ).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+
+from connector.kv_checksum import KvSumsCheck
+from connector.params import KV_SUMS_KEY, is_decode_leg, is_prefill_leg
+
+logger = logging.getLogger("vllm.rendezvous")
+
+SUM_BLOCKS_ATTR = "rendezvous_sum_blocks"  # prefill metadata: request id -> logical block ids to sum
+EXPECTED_ATTR = "rendezvous_expected_sums"  # decode metadata: request id -> prefill's KV_SUMS_KEY payload
+
+
+@dataclass
+class PulledSums(KVConnectorWorkerMetadata):
+    """Prefill workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums, and the
+    workers' (TP size, kernel block size, physical blocks per logical block)."""
+
+    sums: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
+    layout: tuple[int, int, int] = (1, 0, 1)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PulledSums:
+        merged = {req: dict(ranks) for req, ranks in self.sums.items()}
+        for req, ranks in getattr(other, "sums", {}).items():
+            merged.setdefault(req, {}).update(ranks)
+        return PulledSums(merged, self.layout)
+
+    def payload(self, req_id: str) -> dict[str, Any]:
+        """What rides in prefill's kv_transfer_params (JSON-safe: the orchestrator may serialize it)."""
+        ranks = self.sums[req_id]
+        tp, block_size, physical_per_logical = self.layout
+        regions = {int(s.shape[0]) for s in ranks.values()}
+        return {"tp": tp, "block_size": block_size, "physical_per_logical": physical_per_logical,
+                "regions": regions.pop() if len(regions) == 1 else -1,
+                "ranks": [base64.b64encode(np.ascontiguousarray(ranks[r], dtype=np.int64).tobytes()).decode()
+                          if r in ranks else "" for r in range(tp)]}
+
+
+def expected_for(payload: dict[str, Any], *, tp: int, rank: int, block_size: int, physical_per_logical: int,
+                 blocks: int) -> tuple[np.ndarray | None, str | None]:
+    """This decode rank's expected sums for the last ``blocks`` kernel blocks, or (None, why not)."""
+    if (payload.get("tp"), payload.get("block_size"), payload.get("physical_per_logical")) != (
+            tp, block_size, physical_per_logical):
+        return None, (f"prefill's TP / block size / physical blocks per block {payload.get('tp')} / "
+                      f"{payload.get('block_size')} / {payload.get('physical_per_logical')}, here {tp} / {block_size} / "
+                      f"{physical_per_logical}")
+    encoded, regions = (payload.get("ranks") or [""] * tp)[rank], int(payload.get("regions", -1))
+    if not encoded or regions <= 0:
+        return None, "no sums from the prefill rank this one reads"
+    sums = np.frombuffer(base64.b64decode(encoded), dtype=np.int64).reshape(regions, -1)
+    if not 0 < blocks <= sums.shape[1]:
+        return None, f"{blocks} blocks read, {sums.shape[1]} summed"
+    return sums[:, sums.shape[1] - blocks:], None
+
+
+class PullSumsScheduler:
+    """Mixin for the pull scheduler (put before vLLM's class); both roles."""
+
+    _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
+
+    def _sums_state(self) -> dict[str, dict]:
+        state = self.__dict__.get("_rendezvous_pull_sums")
+        if state is None:
+            # legs: prefill legs not yet through their prompt -> [prompt tokens, block ids];
+            # finished: this step's prefill params, by request; expected: decode legs' sums for the workers.
+            state = self.__dict__["_rendezvous_pull_sums"] = {"legs": {}, "finished": {}, "expected": {}}
+        return state
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        params = request.kv_transfer_params
+        if self._kv_checksums and is_prefill_leg(params):
+            self._sums_state()["legs"][request.request_id] = [len(request.prompt_token_ids or ()), []]
+        elif is_decode_leg(params) and (params or {}).get(KV_SUMS_KEY):
+            self._sums_state()["expected"][request.request_id] = params[KV_SUMS_KEY]
+        return super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        state = self._sums_state()
+        state["finished"].clear()  # their step's outputs are gone: sums that did not come are not sent
+        if state["expected"]:
+            setattr(meta, EXPECTED_ATTR, state["expected"])
+            state["expected"] = {}
+        legs, completing = state["legs"], {}
+        if legs:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.req_id in legs:
+                    legs[new.req_id][1] = list(new.block_ids[0]) if new.block_ids else []
+                    self._completes(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), completing)
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                if req_id not in legs:
+                    continue
+                added = cached.new_block_ids[i]
+                if added is not None:
+                    resumed = req_id in cached.resumed_req_ids  # after a preemption: its whole block list
+                    legs[req_id][1] = (list(added[0]) if resumed else legs[req_id][1] + list(added[0]))
+                self._completes(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), completing)
+        if completing:
+            setattr(meta, SUM_BLOCKS_ATTR, completing)
+        return meta
+
+    def _completes(self, req_id: str, computed_after_step: int, completing: dict[str, list[int]]) -> None:
+        prompt_tokens, blocks = self._sums_state()["legs"][req_id]
+        if computed_after_step >= prompt_tokens and blocks:
+            completing[req_id] = list(blocks)
+
+    def request_finished(self, request, block_ids):
+        prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
+        delay, params = super().request_finished(request, block_ids)
+        state = self._sums_state()
+        state["legs"].pop(request.request_id, None)
+        if prefill_leg and delay and isinstance(params, dict):
+            state["finished"][request.request_id] = params
+        return delay, params
+
+    def update_connector_output(self, connector_output):
+        super().update_connector_output(connector_output)
+        summed = connector_output.kv_connector_worker_meta
+        if not isinstance(summed, PulledSums):
+            return
+        finished = self._sums_state()["finished"]
+        for req_id in summed.sums:
+            params = finished.pop(req_id, None)
+            if params is not None:  # the same dict the step's output holds: its response carries the sums
+                params[KV_SUMS_KEY] = summed.payload(req_id)
+
+
+class PullSumsWorker(KvSumsCheck):
+    """Mixin for the pull worker (put before vLLM's class): prefill sums, decode checks."""
+
+    def start_load_kv(self, metadata):
+        self.__dict__["_rendezvous_to_sum"] = getattr(metadata, SUM_BLOCKS_ATTR, None)
+        for req_id, payload in (getattr(metadata, EXPECTED_ATTR, None) or {}).items() if self._kv_checksums else ():
+            reading = metadata.reqs_to_recv.get(req_id)
+            if reading is None or len(reading.local_block_ids) != 1 or not reading.local_block_ids[0]:
+                continue  # nothing to READ (all cached), or several KV cache groups
+            expected, why_not = expected_for(
+                payload, tp=self.world_size, rank=self.tp_rank, block_size=self.block_size,
+                physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                blocks=len(reading.local_block_ids[0]) * self._physical_blocks_per_logical_kv_block)
+            if expected is not None and self._kv_regions() is not None:
+                self._expected()[req_id] = expected
+            elif why_not and not self.__dict__.get("_rendezvous_unchecked_logged"):
+                self.__dict__["_rendezvous_unchecked_logged"] = True
+                logger.warning("KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
+        return super().start_load_kv(metadata)
+
+    def build_connector_worker_meta(self):
+        meta = getattr(super(), "build_connector_worker_meta", lambda: None)()
+        to_sum = self.__dict__.pop("_rendezvous_to_sum", None)
+        if not to_sum or not self._kv_checksums:
+            return meta
+        summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block))
+        for req_id, logical in to_sum.items():
+            try:
+                kernel = self._logical_to_kernel_block_ids((list(logical),), self._physical_blocks_per_logical_kv_block)[0]
+                sums = self.kv_sums(kernel)
+            except Exception:  # a check is never worth a request
+                logger.exception("KV sums of %s not computed", req_id)
+                continue
+            if sums is not None:
+                summed.sums[req_id] = {self.tp_rank: sums.astype(np.int64)}
+        if not summed.sums:
+            return meta
+        return summed if meta is None else meta.aggregate(summed)

@@ -1,0 +1,201 @@
+"""connector.pull_checksum: in pull, prefill's sums ride with the request and decode checks its READ.
+
+The scheduler half runs on a stand-in for vLLM's pull scheduler that keeps only the order vLLM calls
+it in (build_connector_meta, the step, request_finished, update_connector_output); the worker half
+runs on test_kv_checksum's real KV tensors, the READ being a byte copy of prefill's blocks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from connector import kv_checksum
+from connector.params import KV_SUMS_KEY
+from connector.pull_checksum import (
+    EXPECTED_ATTR,
+    SUM_BLOCKS_ATTR,
+    PulledSums,
+    PullSumsScheduler,
+    PullSumsWorker,
+    expected_for,
+)
+from tests.unit.test_kv_checksum import BLOCKS, Upstream
+
+PREFILL = {"do_remote_decode": True}
+
+
+class UpstreamScheduler:
+    """The calls PullSumsScheduler extends, as vLLM's pull scheduler answers them."""
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        pass
+
+    def build_connector_meta(self, scheduler_output):
+        return SimpleNamespace()
+
+    def request_finished(self, request, block_ids):
+        if request.kv_transfer_params.get("do_remote_decode"):
+            return True, {"do_remote_prefill": True, "remote_block_ids": list(block_ids[0])}
+        return False, None
+
+    def update_connector_output(self, connector_output):
+        pass
+
+
+class Scheduler(PullSumsScheduler, UpstreamScheduler):
+    pass
+
+
+def _request(rid, prompt_tokens, params):
+    return SimpleNamespace(request_id=rid, prompt_token_ids=[1] * prompt_tokens, kv_transfer_params=dict(params))
+
+
+def _step(new=(), cached=(), resumed=()):
+    """SchedulerOutput: new = (req id, block ids, computed, scheduled); cached = (req id, new block ids | None, computed, scheduled)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, block_ids=(list(b),), num_computed_tokens=c) for r, b, c, _ in new],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[r for r, *_ in cached], resumed_req_ids=set(resumed),
+            new_block_ids=[None if b is None else (list(b),) for _, b, _, _ in cached],
+            num_computed_tokens=[c for _, _, c, _ in cached]),
+        num_scheduled_tokens={r: n for r, *_, n in [*new, *cached]})
+
+
+@pytest.mark.parametrize("steps, summed", [
+    # The whole prompt in one step: its blocks are summed after that step's forward pass.
+    ([_step(new=[("p", [4, 5, 6], 0, 300)])], [{"p": [4, 5, 6]}]),
+    # Chunked: nothing until the chunk that completes the prompt; blocks added on the way are included.
+    ([_step(new=[("p", [4, 5], 0, 256)]), _step(cached=[("p", [6], 256, 44)])], [{}, {"p": [4, 5, 6]}]),
+    # Preempted and resumed: vLLM sends the whole (new) block list.
+    ([_step(new=[("p", [4, 5], 0, 256)]), _step(cached=[("p", [9, 8, 7], 0, 300)], resumed=["p"])],
+     [{}, {"p": [9, 8, 7]}]),
+    # A step that schedules the leg without new blocks still completes it.
+    ([_step(new=[("p", [4, 5, 6], 0, 200)]), _step(cached=[("p", None, 200, 100)])], [{}, {"p": [4, 5, 6]}]),
+])
+def test_prefill_workers_are_told_to_sum_a_legs_blocks_in_the_step_its_prompt_completes(steps, summed):
+    scheduler = Scheduler()
+    scheduler.update_state_after_alloc(_request("p", 300, PREFILL), None, 0)
+    for step, expected in zip(steps, summed):
+        assert getattr(scheduler.build_connector_meta(step), SUM_BLOCKS_ATTR, {}) == expected
+
+
+def test_requests_that_are_no_prefill_legs_are_not_summed_nor_when_checksums_are_off():
+    scheduler = Scheduler()
+    scheduler.update_state_after_alloc(_request("plain", 300, {}), None, 0)
+    off = Scheduler()
+    off._kv_checksums = False
+    off.update_state_after_alloc(_request("p", 300, PREFILL), None, 0)
+    for s, rid in ((scheduler, "plain"), (off, "p")):
+        assert not hasattr(s.build_connector_meta(_step(new=[(rid, [1, 2, 3], 0, 300)])), SUM_BLOCKS_ATTR)
+
+
+def test_the_sums_land_in_the_params_request_finished_returned_in_the_same_step():
+    scheduler = Scheduler()
+    request = _request("p", 300, PREFILL)
+    scheduler.update_state_after_alloc(request, None, 0)
+    scheduler.build_connector_meta(_step(new=[("p", [4, 5, 6], 0, 300)]))
+    _, params = scheduler.request_finished(request, ([4, 5, 6],))
+    sums = {0: np.arange(6).reshape(2, 3), 1: np.arange(6, 12).reshape(2, 3)}
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PulledSums(
+        {"p": {0: sums[0]}}, (2, 16, 1)).aggregate(PulledSums({"p": {1: sums[1]}}, (2, 16, 1)))))
+    payload = json.loads(json.dumps(params[KV_SUMS_KEY]))  # JSON-safe: it travels in an HTTP body too
+    assert (payload["tp"], payload["block_size"], payload["physical_per_logical"], payload["regions"]) == (2, 16, 1, 2)
+    for rank in (0, 1):
+        got, why_not = expected_for(payload, tp=2, rank=rank, block_size=16, physical_per_logical=1, blocks=3)
+        assert why_not is None and (got == sums[rank]).all()
+    # A later step's sums never reach an earlier step's params (their output was sent without them).
+    scheduler.build_connector_meta(_step())
+    late = Scheduler()
+    late.update_state_after_alloc(_request("q", 300, PREFILL), None, 0)
+    _, late_params = late.request_finished(_request("q", 300, PREFILL), ([1],))
+    late.build_connector_meta(_step())
+    late.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PulledSums({"q": {0: sums[0]}})))
+    assert KV_SUMS_KEY not in late_params
+
+
+def test_a_decode_leg_hands_prefills_sums_to_its_workers_with_the_read():
+    scheduler = Scheduler()
+    payload = {"tp": 1, "ranks": ["AAAAAAAAAAA="]}
+    scheduler.update_state_after_alloc(_request("d", 300, {"do_remote_prefill": True, KV_SUMS_KEY: payload}), None, 0)
+    assert getattr(scheduler.build_connector_meta(_step()), EXPECTED_ATTR) == {"d": payload}
+    assert not hasattr(scheduler.build_connector_meta(_step()), EXPECTED_ATTR)  # once
+
+
+@pytest.mark.parametrize("layout, blocks, why_not", [
+    ((1, 16, 1), 3, None),
+    ((1, 16, 1), 2, None),  # decode had the first block cached: the last two pair
+    ((1, 16, 1), 4, "4 blocks read, 3 summed"),
+    ((3, 16, 1), 3, "TP / block size"),  # different TP sizes: descriptors do not pair
+    ((1, 32, 1), 3, "TP / block size"),
+])
+def test_decode_checks_only_where_its_blocks_pair_with_prefills(layout, blocks, why_not):
+    sums = np.arange(6, dtype=np.int64).reshape(2, 3)
+    payload = PulledSums({"r": {0: sums}}, layout).payload("r")
+    got, reason = expected_for(payload, tp=1, rank=0, block_size=16, physical_per_logical=1, blocks=blocks)
+    if why_not is None:
+        assert reason is None and (got == sums[:, 3 - blocks:]).all()
+    else:
+        assert got is None and why_not in reason
+
+
+# --------------------------------------------------------------------------- workers over real KV
+
+
+class UpstreamPullWorker(Upstream):
+    def __init__(self, engine_id, seed):
+        super().__init__(engine_id, seed)
+        self.block_size = 16
+
+    def start_load_kv(self, metadata):
+        for meta in metadata.reqs_to_recv.values():
+            meta.local_physical_block_ids = meta.local_block_ids
+
+
+class Worker(PullSumsWorker, UpstreamPullWorker):
+    pass
+
+
+def _pull(prefill, decode, prefill_blocks=(1, 2, 3), decode_blocks=(7, 6, 5), fault_file=None):
+    """One pull: prefill sums after its forward pass, the sums travel, decode READs (copies) and checks."""
+    prefill.start_load_kv(SimpleNamespace(reqs_to_recv={}, **{SUM_BLOCKS_ATTR: {"p": list(prefill_blocks)}}))
+    payload = prefill.build_connector_worker_meta().payload("p")
+    reading = SimpleNamespace(local_block_ids=[list(decode_blocks)], remote=SimpleNamespace(request_id="p"))
+    decode.start_load_kv(SimpleNamespace(reqs_to_recv={"d": reading}, **{EXPECTED_ATTR: {"d": payload}}))
+    for mine, theirs in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+        for local, remote in zip(prefill_blocks[len(prefill_blocks) - len(decode_blocks):], decode_blocks):
+            theirs[:, remote] = mine[:, local]
+    decode._recving_metadata["d"], decode._recving_transfers["d"] = reading, []
+    done = decode._pop_done_transfers(decode._recving_transfers)
+    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
+    return done, failed
+
+
+def test_a_clean_read_is_done_and_a_read_that_landed_wrong_is_failed_and_counted(monkeypatch, tmp_path):
+    sent = []
+    monkeypatch.setattr(kv_checksum, "send_stamps", sent.append)
+    assert _pull(Worker("prefill", 1), Worker("decode", 2)) == ({"d"}, [])
+    assert _pull(Worker("prefill", 1), Worker("decode", 2), decode_blocks=(6, 5)) == ({"d"}, [])  # first block cached
+    fault = tmp_path / "fault"
+    fault.write_text("flip")
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(fault))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    assert _pull(Worker("prefill", 1), Worker("decode", 2)) == (set(), ["d"])
+    assert [(s.request_id, s.failed) for s in sent] == [("d", "kv_mismatch")]
+
+
+def test_decode_reads_unchecked_where_prefill_sent_no_sums_it_can_pair_and_says_so_once(caplog):
+    decode = Worker("decode", 2)
+    decode.world_size = 3
+    payload = PulledSums({"p": {0: np.zeros((6, BLOCKS), dtype=np.int64)}}, (1, 16, 1)).payload("p")
+    reading = SimpleNamespace(local_block_ids=[[1, 2]], remote=SimpleNamespace(request_id="p"))
+    with caplog.at_level(logging.WARNING, logger="vllm.rendezvous"):
+        for rid in ("d1", "d2"):
+            decode.start_load_kv(SimpleNamespace(reqs_to_recv={rid: reading}, **{EXPECTED_ATTR: {rid: payload}}))
+    assert not decode._expected()
+    assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
+    decode._recving_metadata["d1"], decode._recving_transfers["d1"] = reading, []
+    assert decode._pop_done_transfers(decode._recving_transfers) == {"d1"}
