@@ -7,11 +7,9 @@ completion notification per producer rank (``pp_size * max(1, P_TP // D_TP)``), 
 aggregates the receive over every decode rank. A share missing when decode starts would change
 the greedy float32 answer, which must stay token-identical to one TP 1 engine.
 
-Three of the four combinations run here, on one node; the fourth (pull, prefill TP 1 into decode
-TP 3) passed by hand and is left out of the suite for its time (about 3 minutes an app start;
-docs/cluster.md, "Several ranks", also on how it hung across the cluster's namespaces). KV checksums
-pair descriptors one to one and are off between different TP sizes (each prefill worker says so
-once in the log)."""
+All four combinations run here, on one node (docs/cluster.md, "Several ranks", on pull into decode
+TP 3 across the cluster's namespaces). KV checksums pair descriptors one to one and are off between
+different TP sizes (each prefill worker says so once in the log)."""
 
 from __future__ import annotations
 
@@ -21,13 +19,12 @@ import pytest
 import yaml
 
 from bench.engine_metrics import counted_by
-from connector import kv_checksum
 from tests.integration.cases import CASE_BY_NAME, Case, assert_kv_travelled, assert_token_identical, long_text
-from tests.integration.conftest import Client, running_app, with_args
+from tests.integration.conftest import Client, KvFaultSwitch, running_app, with_args
 
 BASE = "configs/local-cpu.yaml"
 # (mode, prefill TP, decode TP)
-COMBINATIONS = [("push", 3, 1), ("push", 1, 3), ("pull", 3, 1)]
+COMBINATIONS = [("push", 3, 1), ("push", 1, 3), ("pull", 3, 1), ("pull", 1, 3)]
 # Short deadlines, so that a request whose KV never all lands is recomputed soon (push).
 HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0}
 
@@ -50,14 +47,13 @@ def tp_client(request, log_dir):
     test of one combination on one app start). It can be told to drop one prefill rank's WRITE
     (connector.kv_checksum's test-only fault switch, ``client.kv_fault``)."""
     mode, prefill_tp, decode_tp = request.param
-    kv_fault = log_dir / f"kv-fault-{_id(request.param)}"
-    kv_fault.write_text("")
-    env = {kv_checksum.FAULT_FILE_ENV: str(kv_fault), kv_checksum.FAULTS_ALLOWED_ENV: "1"}
-    with running_app(tp_config(log_dir, mode, prefill_tp, decode_tp), log_dir, env=env) as app:
-        client = Client(app)
-        client.combination, client.kv_fault = request.param, kv_fault
+    switch = KvFaultSwitch(log_dir / f"kv-fault-{_id(request.param)}")
+    with running_app(tp_config(log_dir, mode, prefill_tp, decode_tp), log_dir, env=switch.env) as app:
+        client = switch.attach(Client(app))
+        client.combination = request.param
         yield client
         client.http.close()
+        switch.assert_only_injected_mismatches(client)
 
 
 @pytest.mark.parametrize("tp_client", COMBINATIONS, ids=_id, indirect=True)
