@@ -23,6 +23,8 @@ def _sweep(a: argparse.Namespace) -> int:
     from bench.sweep import run_sweep
 
     profile = get_profile(a.profile)
+    if a.config:
+        profile = profile.with_configs(dict(_mode_config(item) for item in a.config))
     out = Path(a.out or f"results/{profile.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     modes = [Mode(m) for m in a.mode] if a.mode else None
     run_sweep(
@@ -30,6 +32,15 @@ def _sweep(a: argparse.Namespace) -> int:
         tokenizer=a.tokenizer, ignore_budget=a.ignore_budget,
     )
     return 0
+
+
+def _mode_config(item: str):
+    from bench.profiles import Mode
+
+    mode, sep, path = item.partition("=")
+    if not sep or mode not in {m.value for m in Mode}:
+        raise SystemExit(f"--config wants MODE=PATH with MODE one of {', '.join(m.value for m in Mode)}: got {item!r}")
+    return Mode(mode), path
 
 
 def _plot(a: argparse.Namespace) -> int:
@@ -110,6 +121,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-url", action="append", help="with --base-url: Ray's Prometheus export of a node (repeatable)")
     s.add_argument("--tokenizer", help="tokenizer path or hub id (default: the config's model source)")
     s.add_argument("--ignore-budget", action="store_true", help="run every point even past the profile's time budget")
+    s.add_argument("--config", action="append", metavar="MODE=PATH",
+                   help="run MODE with this app config instead of the profile's (repeatable), e.g. an A/B of one setting")
     s.set_defaults(func=_sweep)
 
     s = sub.add_parser("plot", help="redraw ttft_vs_rate.png and tpot_vs_rate.png from RESULTS_DIR/results.json")
@@ -139,7 +152,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="configs/local-cpu-1p2d.yaml")
     s.add_argument("--minutes", type=float, default=30)
     s.add_argument("--workers", type=int, default=4, help="clients sending one request after another")
-    s.add_argument("--kill-every-s", type=float, default=300, help="SIGKILL a decode replica, then the prefill engine, ...")
+    s.add_argument("--kill-every-s", type=float, default=300, help="SIGKILL a decode replica, then the prefill engine, ...; 0: none")
     s.add_argument("--out", help="report directory (default results/soak-<time>)")
     s.set_defaults(func=_soak)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,10 @@ class Profile:
     range_ratio: float = 0.0  # input lengths drawn from [len x (1 - r), len x (1 + r)]
     prefix_caching_off: bool = True  # refuse configs that enable it (random prompts; cache hits skew TTFT)
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def with_configs(self, configs: Mapping[Mode, str]) -> "Profile":
+        """The same points with some modes' configs replaced (checked like the profile's own before a run)."""
+        return replace(self, configs={**self.configs, **configs})
 
     @property
     def modes(self) -> list[Mode]:

@@ -15,7 +15,10 @@ replaces them. Each request ends one way:
 Which rung served what: the ingress counts requests whose decode replica was lost
 (``ray_rendezvous_decode_lost_total``; the ingress is never killed), and the app log counts
 prefill legs that fell back to decode (``handoff failed``), as replicas that die take their
-own counters with them. Memory: resident memory of every process of the run, and the
+own counters with them. The decode replicas' own counts of prefill paths and conversation
+histories are reported too (``kv_mismatch`` among them: KV checksums that disagreed); with
+``kill_every_s`` 0 nothing is killed, so they cover the whole run (a clean-traffic run's
+false-alarm count). Memory: resident memory of every process of the run, and the
 engines' KV usage after one short request, at start and at end.
 """
 
@@ -55,6 +58,8 @@ class SoakReport:
     kills: list[dict[str, Any]] = field(default_factory=list)
     decode_lost: dict[str, float] = field(default_factory=dict)  # when -> count (ingress)
     prefill_fallbacks: int = 0  # from the app log
+    prefill_paths: dict[str, float] = field(default_factory=dict)  # decode replicas' ray_rendezvous_requests_total
+    histories: dict[str, float] = field(default_factory=dict)  # ... and ray_rendezvous_conversation_turns_total
     rss_mib: dict[str, float] = field(default_factory=dict)  # start / end
     kv_usage: dict[str, dict[str, float]] = field(default_factory=dict)  # start / end -> role -> fraction
     lost_examples: list[str] = field(default_factory=list)
@@ -176,7 +181,7 @@ def run_soak(
     with running_app(config_path, url, out_dir / "logs") as app:
         metrics = RoleMetrics(app.metrics_url())
         report.rss_mib["start"], report.kv_usage["start"] = _rss_mib(app.run_id), _kv_usage(metrics, url, model)
-        lost_before = _decode_lost(metrics.url)
+        lost_before, paths_before = _decode_lost(metrics.url), _paths(metrics.url)
         stop, lock = threading.Event(), threading.Lock()
 
         def worker(index: int) -> None:
@@ -199,7 +204,7 @@ def run_soak(
         for t in threads:
             t.start()
         started, victims = time.monotonic(), ["decode", "prefill"]
-        next_kill = started + kill_every_s
+        next_kill = started + kill_every_s if kill_every_s > 0 else float("inf")
         while (now := time.monotonic()) < started + minutes * 60:
             if now >= next_kill:
                 kill = _kill_one(metrics.url, victims[len(report.kills) % 2])
@@ -215,6 +220,8 @@ def run_soak(
             t.join(timeout=request_timeout_s + 10)
         time.sleep(15)  # Ray exports metrics every few seconds; engines go idle
         report.decode_lost = {k: v - lost_before.get(k, 0) for k, v in _decode_lost(metrics.url).items()}
+        for name, (before, after) in zip(("prefill_paths", "histories"), zip(paths_before, _paths(metrics.url))):
+            setattr(report, name, {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)})
         report.rss_mib["end"], report.kv_usage["end"] = _rss_mib(app.run_id), _kv_usage(metrics, url, model)
         report.prefill_fallbacks = app.log_path.read_text(errors="replace").count("handoff failed")
     (out_dir / "soak.json").write_text(json.dumps(report.to_json(), indent=2))
@@ -226,13 +233,21 @@ def _decode_lost(metrics_url: str) -> dict[str, float]:
     return dict(counted_by(metrics_url, "ray_rendezvous_decode_lost_total", "when"))
 
 
+def _paths(metrics_url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(prefill path -> requests, history -> conversation turns), as decode replicas count them."""
+    return (dict(counted_by(metrics_url, "ray_rendezvous_requests_total", "prefill")),
+            dict(counted_by(metrics_url, "ray_rendezvous_conversation_turns_total", "history")))
+
+
 def format_report(r: SoakReport) -> str:
     total = sum(r.requests.values())
-    lines = [f"soak of {r.config}: {r.minutes:g} min, {r.workers} workers, a kill every {r.kill_every_s:g} s ({len(r.kills)} kills)"]
+    kills = f"a kill every {r.kill_every_s:g} s" if r.kill_every_s > 0 else "no kills"
+    lines = [f"soak of {r.config}: {r.minutes:g} min, {r.workers} workers, {kills} ({len(r.kills)} kills)"]
     lines.append(f"requests {total}: " + ", ".join(f"{o} {r.requests.get(o, 0)}" for o in OUTCOMES))
     for kind, c in sorted(r.by_kind.items()):
         lines.append(f"  {kind:<18} " + ", ".join(f"{o} {c.get(o, 0)}" for o in OUTCOMES))
     lines.append(f"rungs: prefill fell back to decode {r.prefill_fallbacks}x; decode replica lost {r.decode_lost}")
+    lines.append(f"prefill paths (decode replicas' counts) {r.prefill_paths}; conversation histories {r.histories}")
     lines.append(f"memory of the run (RSS): {r.rss_mib.get('start', 0):.0f} MiB at start, {r.rss_mib.get('end', 0):.0f} MiB at end")
     lines.append(f"KV usage after one short request: start {r.kv_usage.get('start')}, end {r.kv_usage.get('end')}")
     for example in r.lost_examples:
