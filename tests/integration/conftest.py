@@ -134,7 +134,6 @@ class KvFaultSwitch:
         assert mismatches == client.kv_faults_injected, f"{mismatches} KV mismatches, {client.kv_faults_injected} injected"
 
 
-
 IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
 
 
