@@ -88,6 +88,12 @@ def _calm_ucx_progress(vllm_config) -> None:
     calm_progress_threads(extra.get("backends") or ["UCX"])  # vLLM's default backend list
 
 
+def _worker_meta(connector):
+    """The worker's metadata for the scheduler (reuse offers in push, KV sums in pull); None on the scheduler side."""
+    build = getattr(connector.connector_worker, "build_connector_worker_meta", None)
+    return build() if build is not None else None
+
+
 class PushScheduler(TransfersFirst, StageClock, IdleScheduler):
     pass
 
@@ -132,9 +138,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 self.connector_worker.init_reuse()
                 self.connector_worker.init_idle()
 
-    def build_connector_worker_meta(self):
-        build = getattr(self.connector_worker, "build_connector_worker_meta", None)
-        return build() if build is not None else None
+    build_connector_worker_meta = _worker_meta
 
 
 class RendezvousPullConnector(NixlPullConnector):
@@ -151,6 +155,4 @@ class RendezvousPullConnector(NixlPullConnector):
             self.connector_worker.__class__ = PullWorker
             self.connector_worker._kv_checksums = checksums
 
-    def build_connector_worker_meta(self):
-        build = getattr(self.connector_worker, "build_connector_worker_meta", None)
-        return build() if build is not None else None
+    build_connector_worker_meta = _worker_meta
