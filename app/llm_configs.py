@@ -28,6 +28,8 @@ DECODE_ROUTERS = {
     DecodeRouter.ROUND_ROBIN: "app.decode_router.RoundRobinDecodeRouter",
 }
 PREFILL_ROUTER = "app.prefill_router.LoadAwarePrefillRouter"
+# Ray Serve LLM's node initialization, skipped when it would download nothing (it imports Ray).
+NODE_INIT_CALLBACK = "app.node_init.SkipIdleNodeInit"
 
 CPU_DEFAULT_ENV = {
     # vLLM on CPU otherwise reserves 92 % of *system* RAM for KV, so a second engine on
@@ -144,6 +146,7 @@ def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
         **hardware,
         "deployment_config": deployment_config(args, role),
         "log_engine_metrics": True,
+        "callback_config": {"callback_class": NODE_INIT_CALLBACK},
         "experimental_configs": {
             SETTINGS_KEY: EngineSettings(role=role, ports=args.nixl.port_plan(), env=env).to_dict(),
         },

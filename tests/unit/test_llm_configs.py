@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 import yaml
+from ray.llm._internal.common.callbacks.base import CallbackConfig
+from ray.llm._internal.common.utils.import_utils import load_class
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
 from app.args import Accelerator, AppArgs
@@ -288,3 +291,25 @@ def test_the_ingress_goes_to_the_head_node_unless_told_otherwise():
     assert HEAD_NODE_RESOURCE == HEAD_NODE_RESOURCE_NAME
     assert ingress_actor_options(AppArgs.parse({}).ingress) == {"num_cpus": 0.1, "resources": {HEAD_NODE_RESOURCE: 0.001}}
     assert ingress_actor_options(AppArgs.parse({"ingress": {"on_head": False, "cpus": 0.5}}).ingress) == {"num_cpus": 0.5}
+
+
+# --------------------------------------------------------------------------- node initialization
+
+
+@pytest.mark.parametrize(
+    "source, downloads",
+    [
+        (SOURCE, False),  # a local directory: the embedded model's conversion, or the user's own
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", False),  # a hub id: vLLM downloads it itself
+        ("s3://bucket/models/smollm2", True),  # Ray's mirror download: its node tasks must run
+        ("gs://bucket/models/smollm2", True),
+    ],
+)
+@pytest.mark.parametrize("role", list(Role))
+def test_node_initialization_runs_only_where_ray_would_download_the_model(source, downloads, role):
+    """app.node_init: Ray Serve LLM's per-node tasks (a vLLM import each) run only for a cloud mirror."""
+    config = LLMConfig.model_validate(llm_config(CPU_ARGS, role, source))
+    assert isinstance(config.callback_config, CallbackConfig)
+    callback = load_class(config.callback_config.callback_class)(llm_config=config)
+    asyncio.run(callback.run_callback("on_before_node_init"))
+    assert callback.ctx.run_init_node is downloads

@@ -1159,3 +1159,12 @@ def test_pyproject_pins_what_the_seams_were_read_against():
             f"pyproject.toml pins {library} to {sorted(versions) or 'nothing'}, connector/seams.py to {pinned}: "
             "they move together (README: Upgrading vLLM or Ray)"
         )
+
+
+def test_ray_node_initialization_downloads_nothing_without_a_mirror():
+    """app.node_init skips Ray Serve LLM's per-node task where it would be a no-op: Ray's download
+    returns a local path or hub id as it is, without a mirror config."""
+    from ray.llm._internal.common.utils.download_utils import download_model_files
+
+    for model_id in ("/models/SmolLM2-135M-Instruct-v1", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        assert download_model_files(model_id=model_id, mirror_config=None) == model_id
