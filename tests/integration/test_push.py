@@ -88,12 +88,15 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
     worker, from /proc) from the request to its first chunk: a ratio, so it holds on a
     slower or faster box. Before the wait, decode's engine took about as much CPU as
-    prefill's (0.7 of a core polling)."""
-    case = Case("completion-3k", prompt=long_text(250))
+    prefill's (0.7 of a core polling). The prompt (~1.6k tokens) is prefilled well inside
+    the prefill deadline even on a slow box: a leg that missed it would have decode compute
+    the prompt itself (seen in CI with 3.5k tokens), which says nothing about the wait."""
+    case = Case("completion-1.6k", prompt=long_text(110))
     expected = case.reference(reference)  # computed first: the reference engine shares the box
-    assert len(expected.prompt_ids) > 2500
+    assert len(expected.prompt_ids) > 1200
     prefill, decode = engine_processes("Prefill"), engine_processes("Decode")
     assert prefill and decode
+    paths_before = _requests_by_prefill_path(client)
     before = cpu_seconds(prefill), cpu_seconds(decode)
     with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
         assert r.status_code == 200
@@ -104,6 +107,10 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     assert text == expected.text, f"{text!r} != {expected.text!r}"
     print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk: prefill engine {prefill_cpu:.2f} CPU s, "
           f"decode engine {decode_cpu:.2f}")
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while sum((grown := _requests_by_prefill_path(client) - paths_before).values()) < 1 and time.monotonic() < deadline:
+        time.sleep(1)
+    assert dict(grown) == {"remote": 1}, f"the request was not pushed; by prefill path: {dict(grown)}"
     assert decode_cpu < 0.2 * prefill_cpu, f"decode used {decode_cpu:.2f} CPU s while prefill used {prefill_cpu:.2f}"
 
 
@@ -503,12 +510,12 @@ def test_fuzzed_requests_never_get_a_5xx_and_the_server_keeps_serving(client, re
     assert not expired, f"prefill KV that no decode took: {expired}"
 
 
-OVERLOAD_S, OVERLOAD_FACTOR = 120, 4
+OVERLOAD_S, OVERLOAD_FACTOR = 60, 4
 
 
 @pytest.mark.slow
 def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct(client, reference, tmp_path):
-    """Four times the rate the box sustains, for two minutes (open loop, Poisson arrivals,
+    """Four times the rate the box sustains, for a minute (open loop, Poisson arrivals,
     from a process of its own: bench.openloop), streamed. Each request either completes
     correctly (teacher-forced: vLLM is not batch-invariant), or gets a 429 with Retry-After and
     an OpenAI error body quickly (admission: app/admission.py), or a 503 with Retry-After at
