@@ -56,20 +56,13 @@ def tp_client(request, log_dir):
         switch.assert_only_injected_mismatches(client)
 
 
-@pytest.mark.parametrize("tp_client", COMBINATIONS, ids=_id, indirect=True)
-def test_answers_are_token_identical_and_the_kv_moves_once_per_rank_pair(tp_client, reference):
-    mode, prefill_tp, decode_tp = tp_client.combination
-    assert_token_identical(tp_client, reference, CASE_BY_NAME["chat-short"])
-    assert_kv_travelled(tp_client, reference, BASE, writer="prefill" if mode == "push" else "decode",
-                        ranks=max(prefill_tp, decode_tp))
-
-
 @pytest.mark.parametrize("tp_client", COMBINATIONS[:1], ids=_id, indirect=True)
 def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_never_writes(tp_client, reference):
     """The last of prefill's three ranks skips its WRITE: decode has two of the three completion
     notifications it counts, so it must not start; at the registration's deadline it recomputes
     the prompt (the ladder's second rung, counted as prefill="kv_deadline") and the answer is still
-    token-identical. Later requests are pushed whole again."""
+    token-identical. Later requests are pushed whole again: the next test, on the same app, checks
+    that every rank's share of a long prompt lands (pytest runs a module's tests in file order)."""
     case = Case("drop-rank", prompt="Rank drill.\n" + long_text(40) + "\nNote 3 says")
     paths = lambda: counted_by(tp_client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
     before = paths()
@@ -87,4 +80,11 @@ def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_never_writ
     print(f"\nanswered in {took:.1f} s (registration deadline {HANDOFF['kv_timeout_s']:g} s); by prefill path: {dict(grown)}")
     assert dict(grown) == {"kv_deadline": 1}, dict(grown)
     assert took >= HANDOFF["kv_timeout_s"] - 5, "decode cannot have started before the deadline with two of three shares"
-    assert_kv_travelled(tp_client, reference, BASE, writer="prefill", ranks=3)
+
+
+@pytest.mark.parametrize("tp_client", COMBINATIONS, ids=_id, indirect=True)
+def test_answers_are_token_identical_and_the_kv_moves_once_per_rank_pair(tp_client, reference):
+    mode, prefill_tp, decode_tp = tp_client.combination
+    assert_token_identical(tp_client, reference, CASE_BY_NAME["chat-short"])
+    assert_kv_travelled(tp_client, reference, BASE, writer="prefill" if mode == "push" else "decode",
+                        ranks=max(prefill_tp, decode_tp))
