@@ -28,7 +28,8 @@ Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
 transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
 check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
-``shift`` makes prefill write every block into its neighbour's slot, ``drop-rank`` makes the last
+``shift`` makes prefill write every block into its neighbour's slot (pull: decode reads them so,
+``connector.pull_checksum``), ``drop-rank`` makes the last
 of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
 waits for every producer rank's notification, then recomputes at the registration's deadline).
 """

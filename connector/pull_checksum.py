@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector.kv_checksum import KvSumsCheck
+from connector.kv_checksum import KvSumsCheck, injected_fault
 from connector.params import KV_SUMS_KEY, is_decode_leg, is_prefill_leg
 
 logger = logging.getLogger("vllm.rendezvous")
@@ -177,6 +177,15 @@ class PullSumsWorker(KvSumsCheck):
                 self.__dict__["_rendezvous_unchecked_logged"] = True
                 logger.warning("KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
         return super().start_load_kv(metadata)
+
+    def _read_blocks_for_req(self, req_id, meta):
+        # Test-only fault: READ the prompt's blocks in rotated order, so each lands in its neighbour's
+        # slot. Only a READ whose landing is checked: a fault must never make an unchecked wrong answer.
+        ids = meta.remote.block_ids if meta.remote is not None else ()
+        if injected_fault() == "shift" and req_id in self._expected() and ids and len(ids[0]) > 1:
+            meta.remote.block_ids = (list(ids[0][1:]) + list(ids[0][:1]), *ids[1:])
+            logger.warning("fault injection: %s's blocks READ into their neighbours' slots", req_id)
+        return super()._read_blocks_for_req(req_id, meta)
 
     def build_connector_worker_meta(self):
         meta = getattr(super(), "build_connector_worker_meta", lambda: None)()

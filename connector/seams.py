@@ -221,9 +221,13 @@ SEAMS: list[Seam] = [
     # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
     Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _REUSE,
          "borrow the pull worker's READ for prefill's history read"),
-    *_each("vllm", _PULL_W, ("_read_blocks_for_req", "_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
+    *_each("vllm", _PULL_W, ("_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
            "READ history blocks back from decode on the push worker (everything they read must exist there too)",
            checked_by=T_BORROWED),
+    Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PULL_SUMS,
+         "READ history blocks back from decode on the push worker (everything they read must exist there too); "
+         "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ",
+         checked_by=T_BORROWED),
     *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE + _CHECKSUM,
            "decode the push registration payload to find the reuse offer (and its sums)"),
     Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _REUSE + _CHECKSUM,

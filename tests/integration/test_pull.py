@@ -61,11 +61,13 @@ def test_kv_was_read_by_decode_not_recomputed(client, reference):
     assert_kv_travelled(client, reference, CONFIG, writer="decode")
 
 
-def test_pulled_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(client, reference):
+@pytest.mark.parametrize("fault", ["flip", "shift"])
+def test_pulled_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(client, reference, fault):
     """connector.pull_checksum: prefill's sums travel with its response to the decode leg, whose
-    workers check what their READ landed. A byte flipped after landing (a bad transport) makes decode
-    recompute the prompt: the answer is still token-identical to one engine, counted as kv_mismatch."""
-    assert_wrong_kv_is_caught(client, reference, "flip")
+    workers check what their READ landed. A byte flipped after landing (a bad transport), or blocks
+    read into their neighbours' slots (a mapping error), make decode recompute the prompt: the answer
+    is still token-identical to one engine, counted as kv_mismatch."""
+    assert_wrong_kv_is_caught(client, reference, fault)
 
 
 def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):
