@@ -237,6 +237,12 @@ class HandoffArgs(_Strict):
         "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
         f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
     )
+    read_timeout_s: float = Field(
+        20.0, gt=0, description="Pull: a decode engine gives each READ of prefill's KV this long from posting it, then "
+        "cancels it and recomputes the prompt itself (counted as prefill path `kv_deadline`); a READ the transport "
+        "cannot cancel is waited for, since it may still write. Keep prefill_timeout_s + read_timeout_s below "
+        "ingress.queue_deadline_s, or the queue deadline's 503 comes first."
+    )
     kv_checksums: bool = Field(
         True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "
         "it (push: the sums go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "

@@ -20,7 +20,7 @@ class DecodeMetrics:
             "rendezvous_requests",
             description="Requests served, by transfer mode, prefill path and streaming. prefill: remote (disaggregated), "
             "local (prefilled by decode: a short prompt), fallback (the prefill leg failed or was late: decode prefilled "
-            "it), kv_deadline (push: no WRITE before the KV deadline), kv_failed (the transfer failed) or kv_mismatch (the "
+            "it), kv_deadline (no WRITE, or no READ done, by the KV deadline), kv_failed (the transfer failed) or kv_mismatch (the "
             "KV landed with bytes other than prefill's): for these three decode recomputed the prompt.",
             tag_keys=tags,
         )

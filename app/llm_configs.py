@@ -47,10 +47,12 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
     if args.mode is TransferMode.PUSH:
         extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
-    elif args.upstream_pull_history:
-        extra[BIDIRECTIONAL_KEY] = True
-        extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s
-        extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
+    else:
+        extra[KV_TIMEOUT_KEY] = args.handoff.read_timeout_s  # a READ's deadline (connector.pull_deadline)
+        if args.upstream_pull_history:
+            extra[BIDIRECTIONAL_KEY] = True
+            extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s
+            extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -31,7 +31,8 @@ check (as a bad transport would), ``flip-history`` the same on prefill for a his
 ``shift`` makes prefill write every block into its neighbour's slot (pull: decode reads them so,
 ``connector.pull_checksum``), ``drop-rank`` makes the last
 of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
-waits for every producer rank's notification, then recomputes at the registration's deadline).
+waits for every producer rank's notification, then recomputes at the registration's deadline),
+``stall-read`` makes a pull worker post no READ (``connector.pull_deadline`` cancels it at its deadline).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ logger = logging.getLogger("vllm.rendezvous")
 
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift", "flip-history", "drop-rank")
+FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
 
 

@@ -25,8 +25,8 @@ class TransferMode(str, Enum):
 CONNECTOR_MODULE = "connector.vllm_connectors"
 CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PULL: "RendezvousPullConnector"}
 
-# kv_connector_extra_config key of our push connector: seconds decode waits for pushed KV
-# (see connector/vllm_connectors.py).
+# kv_connector_extra_config key of our connectors: seconds decode waits for its KV (push: from registering
+# its blocks, connector/push_deadline.py; pull: from posting a READ, connector/pull_deadline.py).
 KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
 # kv_connector_extra_config key of our connectors: sum the KV prefill sends and check it on landing
 # (connector/kv_checksum.py, connector/pull_checksum.py); both roles must agree.

@@ -126,6 +126,7 @@ _DEADLINE = ("connector/push_deadline.py",)
 _STAGES = ("connector/stages.py",)
 _CHECKSUM = ("connector/kv_checksum.py",)
 _PULL_SUMS = ("connector/pull_checksum.py",)
+_READ_DEADLINE = ("connector/pull_deadline.py",)
 _ORDER = ("connector/transfer_order.py",)
 _ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
 
@@ -224,9 +225,10 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PULL_W, ("_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
            "READ history blocks back from decode on the push worker (everything they read must exist there too)",
            checked_by=T_BORROWED),
-    Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PULL_SUMS,
+    Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PULL_SUMS + _READ_DEADLINE,
          "READ history blocks back from decode on the push worker (everything they read must exist there too); "
-         "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ",
+         "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ; a READ's "
+         "deadline starts when it is posted",
          checked_by=T_BORROWED),
     *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE + _CHECKSUM,
            "decode the push registration payload to find the reuse offer (and its sums)"),
@@ -274,9 +276,18 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PULL_W, ("block_size", "_physical_blocks_per_logical_kv_block", "world_size", "tp_rank"),
            "instance", _PULL_SUMS, "say which layout the sums are of; check only where both sides' layouts match"),
     Seam("vllm", _PULL_W, "_logical_to_kernel_block_ids", "method", _PULL_SUMS, "sum the kernel blocks of a prefill leg"),
-    *_each("vllm", _PULL_W, ("_recving_metadata", "_recving_transfers", "_invalid_block_ids", "_failed_recv_reqs",
+    *_each("vllm", _PULL_W, ("_recving_metadata", "_invalid_block_ids", "_failed_recv_reqs",
                              "src_blocks_data", "num_regions", "num_blocks", "device_kv_caches"), "instance", _CHECKSUM,
            "sum and check the KV a READ moves as for a WRITE (KvSumsCheck on the pull worker)", checked_by=T_CHECKSUM),
+    Seam("vllm", _PULL_W, "_recving_transfers", "instance", _CHECKSUM + _READ_DEADLINE,
+         "check a READ as vLLM pops it as done; find a late READ's handles (request id -> in-flight handles)",
+         checked_by=T_CHECKSUM),
+    # A READ's deadline (connector/pull_deadline.py).
+    *_each("vllm", _PULL_W, ("get_finished", "_handle_failed_transfer"), "method", _READ_DEADLINE,
+           "cancel a READ past its deadline before vLLM collects the step's receives; fail it the way vLLM fails one"),
+    Seam("vllm", _PULL_W, "nixl_wrapper", "instance", _READ_DEADLINE, "release a late READ's NIXL handles"),
+    Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "release_xfer_handle", "method", _READ_DEADLINE,
+         "cancel a late READ: NIXL frees an active transfer's handle only if it could cancel it, else it raises"),
     Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _CHECKSUM, "check a READ when vLLM pops it as done",
          checked_by=T_CHECKSUM),
     # ------------------------------------------------------------------ vLLM: engine loop (connector/idle_wait.py)

@@ -10,7 +10,7 @@ happens inside the engines it cannot. Their connector schedulers see it:
 * decode: when the request's blocks were allocated for remote KV (push: registered with
   prefill; pull: its READ started) and when the KV had landed (the worker reported the
   receive complete), or that it never did: the load failed and vLLM recomputes the prompt
-  on decode (:class:`KvFailure`: past push's KV deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
+  on decode (:class:`KvFailure`: past the KV's deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
   serving replica as datagrams, on an abstract UNIX socket named after that process
   (:func:`stamps_address`; the replica names itself in ``STAMPS_PID_ENV`` before its engine
   starts); a replica that does not listen loses nothing but the stamps.
@@ -44,7 +44,8 @@ logger = logging.getLogger("vllm.rendezvous")
 class KvFailure(str, Enum):
     """Why a decode engine recomputed a prompt whose KV it had asked for (the load failed)."""
 
-    DEADLINE = "kv_deadline"  # push: no WRITE before the registration's deadline (connector.push_deadline)
+    DEADLINE = "kv_deadline"  # no WRITE before the registration's deadline (connector.push_deadline), no READ
+    # done by its deadline (connector.pull_deadline)
     FAILED = "kv_failed"  # the transfer (or its handshake) failed
     MISMATCH = "kv_mismatch"  # push: it landed, but not the bytes prefill sent (connector.kv_checksum)
 
@@ -145,7 +146,7 @@ class StageClock:
             if at is None:
                 continue
             if blocks & invalid:
-                timeout_s = getattr(self, "_kv_timeout_s", None)  # push's deadline (connector.push_deadline)
+                timeout_s = getattr(self, "_kv_timeout_s", None)  # the mode's KV deadline (connector.*_deadline)
                 past_deadline = timeout_s is not None and now >= at + timeout_s - _DEADLINE_SLACK_S
                 failure = KvFailure.DEADLINE if past_deadline else KvFailure.FAILED
                 send_stamps(DecodeKvStamps(request_id, requested=at, failed=failure.value))

@@ -25,7 +25,8 @@ reuse of a conversation's history held by decode (``connector.push_reuse``), and
 that sleep instead of stepping while they only wait for KV (``connector.idle_wait``), and
 checksums of pushed KV, checked on landing (``connector.kv_checksum``). Pull only:
 vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``), and
-checksums of pulled KV, carried with the request (``connector.pull_checksum``). Both:
+checksums of pulled KV, carried with the request (``connector.pull_checksum``), and a deadline
+on each READ (``connector.pull_deadline``). Both:
 transfers that start before the forward pass where it blocks (``connector.transfer_order``).
 """
 
@@ -50,6 +51,7 @@ from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads
 from connector.params import KV_CHECKSUMS_KEY, KV_TIMEOUT_KEY
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
+from connector.pull_deadline import ReadDeadline
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock, WriteClock
 from connector.transfer_order import TransfersFirst
@@ -102,7 +104,7 @@ class PullScheduler(PullSumsScheduler, TransfersFirst, StageClock, HistoryPullSc
     pass
 
 
-class PullWorker(PullSumsWorker, NixlPullConnectorWorker):
+class PullWorker(PullSumsWorker, ReadDeadline, NixlPullConnectorWorker):
     pass
 
 
@@ -147,12 +149,16 @@ class RendezvousPullConnector(NixlPullConnector):
         _calm_ucx_progress(vllm_config)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
-        checksums = bool((vllm_config.kv_transfer_config.kv_connector_extra_config or {}).get(KV_CHECKSUMS_KEY, True))
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
+        timeout_s = float(extra[KV_TIMEOUT_KEY]) if extra.get(KV_TIMEOUT_KEY) else None  # a READ's deadline
         if self.connector_scheduler is not None:  # swapped in, as for push above
             self.connector_scheduler.__class__ = PullScheduler
             self.connector_scheduler._kv_checksums = checksums
+            self.connector_scheduler._kv_timeout_s = timeout_s  # tells a failure at the deadline (connector.stages)
         if self.connector_worker is not None and type(self.connector_worker) is NixlPullConnectorWorker:
             self.connector_worker.__class__ = PullWorker
             self.connector_worker._kv_checksums = checksums
+            self.connector_worker._read_timeout_s = timeout_s
 
     build_connector_worker_meta = _worker_meta

@@ -29,11 +29,12 @@ from tests.integration.cases import (
     long_text,
     parse_generation,
 )
-from bench.engine_metrics import delta, scrape
+from bench.engine_metrics import counted_by, delta, scrape
 from tests.integration.conftest import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-pull.yaml"
+READ_TIMEOUT_S = 8.0  # a READ here takes well under a second; the stalled one is given up on sooner than by default
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def client(log_dir):
     # exercised; requests without a conversation_id behave as by default. KV can be corrupted on
     # purpose (client.kv_fault): the module ends checking that only those were caught.
     decode = yaml.safe_load(Path(CONFIG).read_text())["applications"][0]["args"]["decode"]
-    config = with_args(CONFIG, log_dir, decode={**decode, "replicas": 2}, conversations={"pull_history": "upstream"})
+    config = with_args(CONFIG, log_dir, decode={**decode, "replicas": 2}, conversations={"pull_history": "upstream"},
+                       handoff={"read_timeout_s": READ_TIMEOUT_S})
     yield from app_client(config, log_dir, how="serve", switch=KvFaultSwitch(log_dir / "kv-fault-pull"))
 
 
@@ -68,6 +70,31 @@ def test_pulled_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(c
     read into their neighbours' slots (a mapping error), make decode recompute the prompt: the answer
     is still token-identical to one engine, counted as kv_mismatch."""
     assert_wrong_kv_is_caught(client, reference, fault)
+
+
+def test_a_read_that_never_completes_is_given_up_at_its_deadline_and_recomputed_by_decode(client, reference):
+    """connector.pull_deadline: with the test-only ``stall-read`` fault, decode's workers post no READ
+    for one request, as a transfer that never progresses would look. At the READ's deadline
+    (``handoff.read_timeout_s``) the workers fail the load and decode recomputes the prompt: the
+    answer is token-identical to one engine, no sooner than the deadline, counted as kv_deadline."""
+    case = Case("stall-read", prompt="Read drill.\n" + long_text(40) + "\nNote 3 says")
+    case.reference(reference)  # before timing: the reference engine shares the box
+    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    before = paths()
+    client.kv_fault.write_text("stall-read")
+    started = time.monotonic()
+    try:
+        assert_token_identical(client, reference, case)
+    finally:
+        client.kv_fault.write_text("")
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while (grown := paths() - before)["kv_deadline"] < 1:
+        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
+        time.sleep(2)
+    print(f"\nanswered in {took:.1f} s (READ deadline {READ_TIMEOUT_S:g} s); by prefill path: {dict(grown)}")
+    assert dict(grown) == {"kv_deadline": 1}, dict(grown)
+    assert took >= READ_TIMEOUT_S, "decode cannot have had the KV before the READ's deadline"
 
 
 def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):

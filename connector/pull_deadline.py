@@ -1,0 +1,92 @@
+"""A deadline on pulled KV (vLLM-side; imports neither Ray nor ``app``).
+
+Upstream, a READ that never completes (a transfer stuck in the transport, a producer that went
+away mid-READ without an error) leaves its request waiting for remote KV until something aborts
+it: for us the ingress's queue deadline, a 503. Decode's worker now gives each READ it posts
+``rendezvous_kv_timeout_s`` (``handoff.read_timeout_s``); past it, the worker releases the READ's
+NIXL handles, which cancels what is still in flight, and reports the load as failed: the scheduler
+recomputes the prompt (``kv_load_failure_policy: recompute``), counted as ``prefill="kv_deadline"``
+(``connector.stages``: a failure at the deadline is the deadline's).
+
+A handle NIXL cannot cancel is not freed (NIXL says so with an error): then the READ may still
+write, so its blocks are not given back; the worker keeps waiting for it and tries again at the
+next step. Only READs that were posted count: one still waiting for its handshake is bounded by
+vLLM's own handshake timeout.
+
+Test-only fault (``connector.kv_checksum``'s switch): ``stall-read`` posts no READ at all, as a
+transfer that never progresses would look.
+
+Swapped into vLLM's pull worker by ``connector.vllm_connectors`` (both roles: prefill's READ of a
+conversation's history from decode, ``pull_history: upstream``, gets the same deadline).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from connector.kv_checksum import injected_fault
+
+logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
+
+
+class ReadDeadline:
+    """Mixin for the pull worker (put before vLLM's class)."""
+
+    _read_timeout_s: float | None = None
+
+    def _read_clock(self) -> dict[str, float]:
+        # Swapped in: no __init__ ran. Request id -> when its READ was posted (monotonic).
+        return self.__dict__.setdefault("_rendezvous_read_posted", {})
+
+    def _stalled(self) -> set[str]:
+        return self.__dict__.setdefault("_rendezvous_read_stalled", set())
+
+    def _uncancelled(self) -> set[str]:
+        # Late READs NIXL could not cancel (logged once each).
+        return self.__dict__.setdefault("_rendezvous_read_uncancelled", set())
+
+    def _read_blocks_for_req(self, req_id, meta):
+        if self._read_timeout_s:
+            self._read_clock()[req_id] = time.monotonic()
+        if injected_fault() == "stall-read":
+            self._stalled().add(req_id)
+            logger.warning("fault injection: %s's READ is never posted", req_id)
+            return None
+        return super()._read_blocks_for_req(req_id, meta)
+
+    def get_finished(self):
+        self._cancel_late_reads(time.monotonic())
+        done_sending, done_recving = super().get_finished()
+        for req_id in done_recving:
+            self._read_clock().pop(req_id, None)
+            self._uncancelled().discard(req_id)
+        return done_sending, done_recving
+
+    def _cancel_late_reads(self, now: float) -> None:
+        clock, stalled = self._read_clock(), self._stalled()
+        for req_id, posted in list(clock.items()):
+            if now - posted < self._read_timeout_s:
+                continue
+            if req_id not in self._recving_transfers and req_id not in stalled:
+                clock.pop(req_id)  # done or failed already; vLLM reports it in this step
+                continue
+            handles = self._recving_transfers.get(req_id, [])
+            while handles:
+                try:
+                    self.nixl_wrapper.release_xfer_handle(handles[0])
+                except Exception as e:  # NIXL could not cancel it: it may still write, so keep the blocks
+                    if req_id not in self._uncancelled():
+                        self._uncancelled().add(req_id)
+                        logger.warning("READ of %s past its deadline could not be cancelled (%s); waiting for it",
+                                       req_id, e)
+                    break
+                handles.pop(0)
+            if handles:
+                continue
+            self._recving_transfers.pop(req_id, None)
+            stalled.discard(req_id)
+            clock.pop(req_id)
+            logger.warning("READ of %s not done %.0f s after it was posted: cancelled; its KV is recomputed",
+                           req_id, now - posted)
+            self._handle_failed_transfer(req_id, None)

@@ -1,0 +1,107 @@
+"""connector.pull_deadline: a READ past its deadline is cancelled and reported failed (vLLM then
+recomputes), unless NIXL cannot cancel it; step by step over vLLM's worker bookkeeping (the real
+vLLM and NIXL calls are the seams'; test_pull runs the whole with a READ that is never posted)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from connector import pull_deadline
+from connector.pull_deadline import ReadDeadline
+
+TIMEOUT_S = 10.0
+
+
+class Nixl:
+    def __init__(self, cancellable: list[bool]):
+        self.cancellable, self.released = list(cancellable), []
+
+    def release_xfer_handle(self, handle):
+        if not (self.cancellable.pop(0) if self.cancellable else True):
+            raise RuntimeError("NIXL_ERR_REPOST_ACTIVE")
+        self.released.append(handle)
+
+
+class VllmPullWorker:
+    """What ReadDeadline relies on of vLLM's pull worker: a READ leaves its handles in
+    _recving_transfers; get_finished reports finished and failed receives."""
+
+    def __init__(self, nixl: Nixl):
+        self._recving_transfers = defaultdict(list)
+        self.nixl_wrapper, self.failed, self._failed = nixl, [], set()
+
+    def _read_blocks_for_req(self, req_id, meta):
+        self._recving_transfers[req_id].append(f"{req_id}-handle")
+
+    def _handle_failed_transfer(self, req_id, handle):
+        self.failed.append(req_id)
+        self._failed.add(req_id)
+
+    def get_finished(self):
+        done, self._failed = self._failed, set()
+        return set(), done
+
+    def land(self, req_id):  # the READ completed: vLLM pops it at the next get_finished
+        self._recving_transfers.pop(req_id)
+        self._failed.add(req_id)  # reported like a finished one (the sets are the same to the scheduler)
+
+
+class Worker(ReadDeadline, VllmPullWorker):
+    _read_timeout_s = TIMEOUT_S
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(pull_deadline.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(pull_deadline, "injected_fault", lambda: None)
+    return now
+
+
+# (seconds after posting, NIXL can cancel each time asked, READ lands first?, expected: reported failed, handle freed)
+CASES = [
+    pytest.param([5.0], [], False, [], [], id="before-the-deadline-nothing-happens"),
+    pytest.param([5.0, 11.0], [], True, [], [], id="a-read-that-landed-is-left-to-vllm"),
+    pytest.param([11.0], [True], False, ["r1"], ["r1-handle"], id="past-the-deadline-cancelled-and-failed"),
+    pytest.param([11.0, 12.0], [False, False], False, [], [], id="not-cancellable-keeps-its-blocks"),
+    pytest.param([11.0, 12.0], [False, True], False, ["r1"], ["r1-handle"], id="cancelled-at-a-later-step"),
+]
+
+
+@pytest.mark.parametrize("steps, cancellable, lands, failed, released", CASES)
+def test_a_late_read_is_cancelled_and_failed_once_nixl_lets_go(clock, steps, cancellable, lands, failed, released):
+    worker = Worker(Nixl(cancellable))
+    worker._read_blocks_for_req("r1", meta=None)
+    posted = clock[0]
+    for i, after in enumerate(steps):
+        clock[0] = posted + after
+        if lands and i == len(steps) - 1:
+            worker.land("r1")
+        worker.get_finished()
+    assert worker.failed == failed
+    assert worker.nixl_wrapper.released == released
+    assert ("r1" in worker._recving_transfers) == (not failed and not lands)
+
+
+def test_a_read_that_is_never_posted_fails_at_its_deadline(clock, monkeypatch):
+    monkeypatch.setattr(pull_deadline, "injected_fault", lambda: "stall-read")
+    worker = Worker(Nixl([]))
+    worker._read_blocks_for_req("r1", meta=None)
+    assert "r1" not in worker._recving_transfers  # nothing posted
+    clock[0] += TIMEOUT_S - 1
+    assert worker.get_finished() == (set(), set())
+    clock[0] += 2
+    assert worker.get_finished() == (set(), {"r1"}) and worker.failed == ["r1"]
+    clock[0] += 60
+    assert worker.get_finished() == (set(), set()), "reported once"
+
+
+def test_without_a_deadline_reads_are_not_clocked(clock):
+    worker = Worker(Nixl([]))
+    worker._read_timeout_s = None
+    worker._read_blocks_for_req("r1", meta=None)
+    clock[0] += 3600
+    worker.get_finished()
+    assert worker.failed == [] and "r1" in worker._recving_transfers
