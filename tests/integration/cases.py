@@ -257,5 +257,30 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
         time.sleep(1)
 
 
+def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, deadline_s: float) -> float:
+    """With the test-only ``fault`` on (``client.kv_fault``) one request's KV never all lands; at the
+    KV deadline (``deadline_s``) decode recomputes the prompt: the answer is still token-identical to
+    one engine and the request is counted as prefill="kv_deadline", nothing else. Returns how long
+    the answer took (each caller knows from when its deadline counts)."""
+    case = Case(f"kv-deadline-{fault}", prompt=f"Deadline drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
+    case.reference(ref)  # before timing: the reference engine shares the box
+    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    before = paths()
+    client.kv_fault.write_text(fault)
+    started = time.monotonic()
+    try:
+        assert_token_identical(client, ref, case)
+    finally:
+        client.kv_fault.write_text("")
+    took = time.monotonic() - started
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while (grown := paths() - before)["kv_deadline"] < 1:
+        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
+        time.sleep(2)
+    print(f"\n{fault}: answered in {took:.1f} s (KV deadline {deadline_s:g} s); by prefill path: {dict(grown)}")
+    assert dict(grown) == {"kv_deadline": 1}, dict(grown)
+    return took
+
+
 def _fmt(le: float) -> str:
     return repr(le)

@@ -21,6 +21,7 @@ from tests.integration.cases import (
     STREAMED,
     Case,
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
+    assert_kv_deadline_recomputes,
     assert_kv_travelled,
     assert_stream_identical,
     assert_token_identical,
@@ -29,7 +30,7 @@ from tests.integration.cases import (
     long_text,
     parse_generation,
 )
-from bench.engine_metrics import counted_by, delta, scrape
+from bench.engine_metrics import delta, scrape
 from tests.integration.conftest import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
@@ -77,23 +78,7 @@ def test_a_read_that_never_completes_is_given_up_at_its_deadline_and_recomputed_
     for one request, as a transfer that never progresses would look. At the READ's deadline
     (``handoff.read_timeout_s``) the workers fail the load and decode recomputes the prompt: the
     answer is token-identical to one engine, no sooner than the deadline, counted as kv_deadline."""
-    case = Case("stall-read", prompt="Read drill.\n" + long_text(40) + "\nNote 3 says")
-    case.reference(reference)  # before timing: the reference engine shares the box
-    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
-    before = paths()
-    client.kv_fault.write_text("stall-read")
-    started = time.monotonic()
-    try:
-        assert_token_identical(client, reference, case)
-    finally:
-        client.kv_fault.write_text("")
-    took = time.monotonic() - started
-    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while (grown := paths() - before)["kv_deadline"] < 1:
-        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
-        time.sleep(2)
-    print(f"\nanswered in {took:.1f} s (READ deadline {READ_TIMEOUT_S:g} s); by prefill path: {dict(grown)}")
-    assert dict(grown) == {"kv_deadline": 1}, dict(grown)
+    took = assert_kv_deadline_recomputes(client, reference, "stall-read", READ_TIMEOUT_S)
     assert took >= READ_TIMEOUT_S, "decode cannot have had the KV before the READ's deadline"
 
 

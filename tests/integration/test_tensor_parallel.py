@@ -13,13 +13,10 @@ different TP sizes (each prefill worker says so once in the log)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import yaml
 
-from bench.engine_metrics import counted_by
-from tests.integration.cases import CASE_BY_NAME, Case, assert_kv_travelled, assert_token_identical, long_text
+from tests.integration.cases import CASE_BY_NAME, assert_kv_deadline_recomputes, assert_kv_travelled, assert_token_identical
 from tests.integration.conftest import Client, KvFaultSwitch, running_app, with_args
 
 BASE = "configs/local-cpu.yaml"
@@ -63,22 +60,7 @@ def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_never_writ
     the prompt (the ladder's second rung, counted as prefill="kv_deadline") and the answer is still
     token-identical. Later requests are pushed whole again: the next test, on the same app, checks
     that every rank's share of a long prompt lands (pytest runs a module's tests in file order)."""
-    case = Case("drop-rank", prompt="Rank drill.\n" + long_text(40) + "\nNote 3 says")
-    paths = lambda: counted_by(tp_client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
-    before = paths()
-    tp_client.kv_fault.write_text("drop-rank")
-    started = time.monotonic()
-    try:
-        assert_token_identical(tp_client, reference, case)
-    finally:
-        tp_client.kv_fault.write_text("")
-    took = time.monotonic() - started
-    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while (grown := paths() - before)["kv_deadline"] < 1:
-        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
-        time.sleep(2)
-    print(f"\nanswered in {took:.1f} s (registration deadline {HANDOFF['kv_timeout_s']:g} s); by prefill path: {dict(grown)}")
-    assert dict(grown) == {"kv_deadline": 1}, dict(grown)
+    took = assert_kv_deadline_recomputes(tp_client, reference, "drop-rank", HANDOFF["kv_timeout_s"])
     assert took >= HANDOFF["kv_timeout_s"] - 5, "decode cannot have started before the deadline with two of three shares"
 
 
