@@ -47,9 +47,10 @@ class ReadDeadline:
         return self.__dict__.setdefault("_rendezvous_read_uncancelled", set())
 
     def _read_blocks_for_req(self, req_id, meta):
-        if self._read_timeout_s:
-            self._read_clock()[req_id] = time.monotonic()
-        if injected_fault() == "stall-read":
+        if not self._read_timeout_s:
+            return super()._read_blocks_for_req(req_id, meta)
+        self._read_clock()[req_id] = time.monotonic()
+        if injected_fault() == "stall-read":  # only where the deadline will end it
             self._stalled().add(req_id)
             logger.warning("fault injection: %s's READ is never posted", req_id)
             return None
