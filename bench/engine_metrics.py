@@ -13,6 +13,7 @@ helpers below therefore derive totals from bucket counts and say which bounds th
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
@@ -42,6 +43,22 @@ def parse(text: str) -> list[Sample]:
 
 def scrape(url: str) -> list[Sample]:
     return parse(httpx.get(url, timeout=10).text)
+
+
+# Ray exports metrics every ``metrics_report_interval_ms``: 10 s unless the environment Ray starts
+# in says otherwise (the integration tests' apps export every 2 s). A fresh scrape can lack what
+# happened since the last export; a value unchanged for one export and a margin has settled.
+EXPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+
+
+def export_interval_s() -> float:
+    """Ray's metrics export interval for apps started from this environment (Ray floors it at 1 s)."""
+    return max(int(os.environ.get(EXPORT_INTERVAL_ENV, "10000")), 1000) / 1000
+
+
+def settle_quiet_s() -> float:
+    """How long metrics must stay unchanged to count as settled: one export interval and a margin."""
+    return export_interval_s() + 3.0
 
 
 def settle(
@@ -115,10 +132,11 @@ class RoleMetrics:
                 totals[f"replica:{labels['ReplicaId']}"][key] += value
         return {role: dict(values) for role, values in totals.items()}
 
-    def settled_snapshot(self, quiet_s: float = 12.0, timeout_s: float = 90.0) -> Snapshot:
-        """A snapshot that stopped changing for ``quiet_s``: Ray exports engine metrics
-        every few seconds, so a fresh scrape can still lack the last requests."""
-        return settle(self.snapshot, quiet_s=quiet_s, poll_s=2.0, timeout_s=timeout_s, what="engine metrics")
+    def settled_snapshot(self, quiet_s: float | None = None, timeout_s: float = 90.0) -> Snapshot:
+        """A snapshot that stopped changing for ``quiet_s`` (default ``settle_quiet_s()``): Ray
+        exports engine metrics every few seconds, so a fresh scrape can still lack the last requests."""
+        return settle(self.snapshot, quiet_s=quiet_s or settle_quiet_s(), poll_s=1.0, timeout_s=timeout_s,
+                      what="engine metrics")
 
     def wait_for(self, predicate, timeout_s: float = 60, poll_s: float = 1.0) -> Snapshot:
         """Poll until ``predicate(snapshot)`` is true (Ray exports metrics every few seconds)."""

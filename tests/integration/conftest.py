@@ -14,11 +14,14 @@ import pytest
 import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
-from bench.engine_metrics import RoleMetrics
+from bench.engine_metrics import EXPORT_INTERVAL_ENV, RoleMetrics
 from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
+# The apps of the tests export their metrics every 2 s instead of Ray's 10 (a Ray setting an operator can
+# make too): the tests wait for metrics to settle some forty times, each an export interval and a margin.
+TEST_EXPORT_INTERVAL_MS = "2000"
 
 
 def pytest_collection_modifyitems(items):
@@ -37,6 +40,14 @@ def no_engine_outlives_the_tests():
     while orphaned_engines() and time.monotonic() < deadline:
         time.sleep(1)
     assert not orphaned_engines(), f"vLLM engines outlived the tests: {orphaned_engines()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def apps_export_metrics_every_2_s():
+    """Every app, cluster node and metrics reader of the session sees the same interval (its environment)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(EXPORT_INTERVAL_ENV, TEST_EXPORT_INTERVAL_MS)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -137,21 +148,12 @@ class KvFaultSwitch:
 IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
 
 
-def wait_until_idle(client, roles: tuple[str, ...], timeout_s: float) -> None:
-    """Wait until every engine of ``roles`` last reported no request and no KV block held.
-
-    Ray exports an engine's gauges only while the engine sets them, i.e. while it steps:
-    an engine that went idle stops reporting a few seconds later. So this keeps the
-    latest value each role reported instead of asking one scrape for all roles at once
-    (a role that went idle early may have vanished before another one got there)."""
-    with EngineGauges(client, roles) as gauges:
-        gauges.wait_idle(timeout_s)
-
-
 class EngineGauges:
     """The latest value of ``IDLE_GAUGES`` each role's engines reported, polled in the background
-    while the block runs (an engine that went idle stops reporting a few seconds later, so a check
-    made after a long step of a test must have been watching all along)."""
+    while the block runs. Ray exports an engine's gauges only while the engine sets them, i.e.
+    while it steps: an engine that went idle stops reporting a few seconds later. So a check made
+    after a step of a test must have been watching all along, and it keeps each role's latest
+    value (a role that went idle early may have vanished before another one got there)."""
 
     def __init__(self, client, roles: tuple[str, ...]):
         self.client, self.roles = client, roles

@@ -16,7 +16,7 @@ import pytest
 
 from app.cluster import kill_node, rejoin
 from app.cluster_plan import NodeKind
-from bench.engine_metrics import counted_by, delta, scrape
+from bench.engine_metrics import counted_by, delta, scrape, settle_quiet_s
 from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token, parse_generation
 from tests.integration.cluster import (
     CONFIG,
@@ -183,11 +183,11 @@ def _by_prefill_path(plan) -> Counter:
 
 def _wait_by_prefill_path(plan, before: Counter, predicate, timeout_s: float = 60) -> Counter:
     """The decode replica's requests by prefill path since ``before``, once ``predicate`` holds
-    and then quiet for a few seconds (Ray exports every few seconds)."""
+    and then quiet for an export interval (Ray exports every few seconds)."""
     deadline = time.monotonic() + timeout_s
     while not predicate(_by_prefill_path(plan) - before) and time.monotonic() < deadline:
         time.sleep(1)
-    time.sleep(6)
+    time.sleep(settle_quiet_s())
     return _by_prefill_path(plan) - before
 
 

@@ -5,6 +5,7 @@ serve`` ended every process it started, vLLM engines included, and freed every p
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import csv
 import itertools
 import json
@@ -15,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -51,7 +53,7 @@ from tests.integration.cases import (
 )
 from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
 from tests.integration.reference import app_args
-from tests.integration.conftest import Client, KvFaultSwitch, running_app, wait_until_idle
+from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
 from tests.integration.prometheus import prometheus_scraping
 from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
@@ -86,9 +88,10 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
 def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identical(client, reference):
     """connector.idle_wait: decode's engine waits for pushed KV without stepping. One long
     prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
-    worker, from /proc) from the request to its first chunk: a ratio, so it holds on a
-    slower or faster box. Before the wait, decode's engine took about as much CPU as
-    prefill's (0.7 of a core polling). The prompt (~1.6k tokens) is prefilled well inside
+    worker, from /proc) from the request to its first chunk, per second of that wait: a share
+    of a core, so it holds on a slower or faster box. Before the wait, decode's engine took
+    0.7 of a core polling; waiting, it takes what an idle engine does (its threads, Ray's
+    metrics export). The prompt (~1.6k tokens) is prefilled well inside
     the prefill deadline even on a slow box: a leg that missed it would have decode compute
     the prompt itself (seen in CI with 3.5k tokens), which says nothing about the wait."""
     case = Case("completion-1.6k", prompt=long_text(110))
@@ -97,21 +100,22 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     prefill, decode = engine_processes("Prefill"), engine_processes("Decode")
     assert prefill and decode
     paths_before = _requests_by_prefill_path(client)
-    before = cpu_seconds(prefill), cpu_seconds(decode)
+    before, started = (cpu_seconds(prefill), cpu_seconds(decode)), time.monotonic()
     with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         prefill_cpu, decode_cpu = cpu_seconds(prefill) - before[0], cpu_seconds(decode) - before[1]
+        waited = time.monotonic() - started
         text = read_stream(SimpleNamespace(iter_lines=lambda: itertools.chain([first], lines)))
     assert text == expected.text, f"{text!r} != {expected.text!r}"
-    print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk: prefill engine {prefill_cpu:.2f} CPU s, "
-          f"decode engine {decode_cpu:.2f}")
+    print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk ({waited:.1f} s): prefill engine "
+          f"{prefill_cpu:.2f} CPU s, decode engine {decode_cpu:.2f}")
     deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
     while sum((grown := _requests_by_prefill_path(client) - paths_before).values()) < 1 and time.monotonic() < deadline:
         time.sleep(1)
     assert dict(grown) == {"remote": 1}, f"the request was not pushed; by prefill path: {dict(grown)}"
-    assert decode_cpu < 0.2 * prefill_cpu, f"decode used {decode_cpu:.2f} CPU s while prefill used {prefill_cpu:.2f}"
+    assert decode_cpu < 0.25 * waited, f"decode used {decode_cpu:.2f} CPU s in {waited:.1f} s (prefill {prefill_cpu:.2f})"
 
 
 def test_every_stage_of_a_request_is_timed_in_order(client):
@@ -245,10 +249,11 @@ def test_32_concurrent_mixed_requests_are_all_correct(client, reference):
     max_tokens = [rng.choice([8, 16, 24, 32]) for _ in cases]
 
     def send(i):
-        for _ in range(20):  # admission may ask some of 32 long requests to come back (ingress.ttft_slo_s)
-            r = client.post(cases[i].endpoint, json=cases[i].body(max_tokens=max_tokens[i]))
-            if r.status_code not in (429, 503):
-                break
+        # Admission may ask some of 32 long requests to come back (ingress.ttft_slo_s): a client retries
+        # after Retry-After for as long as it is willing to wait.
+        give_up = time.monotonic() + 600
+        while (r := client.post(cases[i].endpoint, json=cases[i].body(max_tokens=max_tokens[i]))).status_code in (429, 503):
+            assert time.monotonic() < give_up, r.text
             time.sleep(float(r.headers["retry-after"]))
         assert r.status_code == 200, r.text
         return parse_generation(cases[i], r.json())
@@ -360,10 +365,11 @@ def test_client_disconnects_mid_stream_abort_both_legs_and_free_their_kv(client,
             assert r.status_code == 200, r.read()
             return any(line.startswith("data: ") for line in r.iter_lines())  # stops at the first event
 
-    with cf.ThreadPoolExecutor(32) as pool:
-        assert all(pool.map(first_chunk_then_hang_up, range(32)))
-    # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
-    wait_until_idle(client, ("prefill", "decode"), timeout_s=60)
+    with EngineGauges(client, ("prefill", "decode")) as gauges:
+        with cf.ThreadPoolExecutor(32) as pool:
+            assert all(pool.map(first_chunk_then_hang_up, range(32)))
+        # Prefill keeps pushed blocks until decode acknowledges the WRITE (or a 30 s lease).
+        gauges.wait_idle(timeout_s=60)
     assert_token_identical(client, reference, CASE_BY_NAME["chat-short"])
 
 
@@ -389,21 +395,22 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
             assert r.status_code == 200, r.read()
             return read_stream(r)
 
-    for pid in engines:
-        os.kill(pid, signal.SIGSTOP)
-    try:
-        started = time.monotonic()
-        with cf.ThreadPoolExecutor(2) as pool:
-            answers = pool.submit(chat_answer), pool.submit(streamed_answer)
-            assert answers[0].result() == expected_chat.token_ids
-            assert answers[1].result() == expected_stream.text
-        elapsed = time.monotonic() - started
-    finally:
+    # Watched from the start: Ray exports a gauge only while it is being set, so an engine that has
+    # been idle for a few seconds reports nothing at all.
+    with EngineGauges(client, ("prefill", "decode")) as gauges:
         for pid in engines:
-            os.kill(pid, signal.SIGCONT)
-    # First, while the engines still report: Ray exports a gauge only while it is being set,
-    # so an engine that has been idle for a while reports nothing at all.
-    wait_until_idle(client, ("prefill", "decode"), timeout_s=handoff.kv_timeout_s + 30)
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with cf.ThreadPoolExecutor(2) as pool:
+                answers = pool.submit(chat_answer), pool.submit(streamed_answer)
+                assert answers[0].result() == expected_chat.token_ids
+                assert answers[1].result() == expected_stream.text
+            elapsed = time.monotonic() - started
+        finally:
+            for pid in engines:
+                os.kill(pid, signal.SIGCONT)
+        gauges.wait_idle(timeout_s=handoff.kv_timeout_s + 30)
     assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
     deadline = time.monotonic() + 30
     while (grown := _requests_by_prefill_path(client) - before)["fallback"] < 2 and time.monotonic() < deadline:
@@ -542,15 +549,16 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
 
     assert sustained > 0, "nothing was answered while calibrating"
     rate, out = OVERLOAD_FACTOR * sustained, tmp_path / "overload.jsonl"
-    subprocess.run(
-        [sys.executable, "-m", "bench.openloop", "--base-url", BASE_URL, "--path", "/v1/completions",
-         "--body", json.dumps(streamed), "--rate", f"{rate:.3f}", "--seconds", str(OVERLOAD_S), "--seed", "7",
-         "--first-index", str(next(ids)), "--out", str(out)],
-        check=True, timeout=OVERLOAD_S + 600,
-    )
-    # Nothing admitted, expired or hung up on is left running or holding KV (checked at once: an idle
-    # engine stops reporting its gauges a few seconds later).
-    wait_until_idle(client, ("prefill", "decode"), timeout_s=90)
+    # Watched from the start: an idle engine stops reporting its gauges a few seconds later.
+    with EngineGauges(client, ("prefill", "decode")) as gauges:
+        subprocess.run(
+            [sys.executable, "-m", "bench.openloop", "--base-url", BASE_URL, "--path", "/v1/completions",
+             "--body", json.dumps(streamed), "--rate", f"{rate:.3f}", "--seconds", str(OVERLOAD_S), "--seed", "7",
+             "--first-index", str(next(ids)), "--out", str(out)],
+            check=True, timeout=OVERLOAD_S + 600,
+        )
+        # Nothing admitted, expired or hung up on is left running or holding KV.
+        gauges.wait_idle(timeout_s=90)
     results = [json.loads(line) for line in out.read_text().splitlines()]
 
     statuses = Counter(r["status"] for r in results)
@@ -654,12 +662,36 @@ def test_every_dashboard_panel_and_alert_works_on_a_real_prometheus(client):
     """observability/: after this module's traffic (conversations included), each dashboard query returns the
     series it is meant to show, with the labels its legend uses (a `or vector(0)` panel may show its zero
     instead, for an event that has not happened); the load panel has one series per decode replica and the
-    engine panels one per role; every alert rule evaluates without error, and no decode replica was ever missing."""
+    engine panels one per role; every alert rule evaluates without error, and no decode replica was ever missing.
+    Queried under light traffic: Ray exports an engine's gauges (KV cache usage) only while the engine steps."""
     prometheus = client.prometheus
-    deadline = time.monotonic() + 60
-    while prometheus.scrapes() < 3 and time.monotonic() < deadline:
-        time.sleep(2)
-    time.sleep(2 * 5)  # the last traffic's samples scraped
+    with _light_traffic(client):
+        _check_dashboard_and_alerts(prometheus)
+
+
+@contextlib.contextmanager
+def _light_traffic(client):
+    """Short completions one after another while the block runs, from its start on for two scrapes."""
+    stop = threading.Event()
+
+    def send():
+        while not stop.is_set():
+            assert client.post("/v1/completions", json=CASE_BY_NAME["completion-short"].body(max_tokens=4)).status_code == 200
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        sending = pool.submit(send)
+        scraped = client.prometheus.scrapes()
+        deadline = time.monotonic() + 60
+        while client.prometheus.scrapes() < scraped + 2 and time.monotonic() < deadline:
+            time.sleep(1)
+        try:
+            yield
+        finally:
+            stop.set()
+            sending.result()
+
+
+def _check_dashboard_and_alerts(prometheus) -> None:
     for title, target in dashboard_targets():
         series = prometheus.query(target["expr"])
         assert series, f"{title}: `{target['expr']}` returned no series"

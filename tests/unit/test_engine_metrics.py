@@ -8,7 +8,7 @@ import math
 import pytest
 
 import bench.engine_metrics as em
-from bench.engine_metrics import RoleMetrics, counted_by, parse, settle
+from bench.engine_metrics import EXPORT_INTERVAL_ENV, RoleMetrics, counted_by, parse, settle
 
 INF = math.inf
 
@@ -163,12 +163,18 @@ def test_settle_without_a_timeout_keeps_waiting(monkeypatch):
     assert clock.now - 1000.0 == 512
 
 
-def test_settled_snapshot_polls_every_2_s_until_12_s_quiet(monkeypatch):
+@pytest.mark.parametrize("interval_ms, quiet_s", [(None, 13.0), ("2000", 5.0), ("250", 4.0)])
+def test_settled_snapshot_waits_one_ray_export_interval_and_a_margin_of_quiet(monkeypatch, interval_ms, quiet_s):
+    """Ray's export interval comes from the environment the app started in (10 s by default, floored at 1 s)."""
+    if interval_ms is None:
+        monkeypatch.delenv(EXPORT_INTERVAL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(EXPORT_INTERVAL_ENV, interval_ms)
     clock = Clock(monkeypatch)
     metrics = RoleMetrics("http://x/metrics")
-    monkeypatch.setattr(metrics, "snapshot", reader(clock, [(0, {"decode": {"a": 1.0}}), (6, {"decode": {"a": 2.0}})]))
+    monkeypatch.setattr(metrics, "snapshot", reader(clock, [(0, {"decode": {"a": 1.0}}), (2, {"decode": {"a": 2.0}})]))
     assert metrics.settled_snapshot() == {"decode": {"a": 2.0}}
-    assert clock.now - 1000.0 == 18 and set(clock.sleeps) == {2}
+    assert clock.now - 1000.0 == 2 + quiet_s and set(clock.sleeps) == {1}
     monkeypatch.setattr(metrics, "snapshot", lambda: {"decode": {"a": clock.now}})
     with pytest.raises(TimeoutError, match="^engine metrics kept changing; is something else sending requests\\?$"):
         metrics.settled_snapshot(timeout_s=30)
