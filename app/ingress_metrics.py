@@ -10,8 +10,9 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from app.admission import Admission
 
-# Ray exports a gauge only if it was set since its last export: admission's are re-set this often.
-GAUGE_REFRESH_S = 5.0
+# Ray drops a gauge not set again within two export intervals (at least 1 s each; 10 s by default):
+# admission's are re-set this often, so they stay exported at any interval an operator sets.
+GAUGE_REFRESH_S = 1.0
 
 
 @functools.cache

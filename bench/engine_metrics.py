@@ -49,6 +49,11 @@ def scrape(url: str) -> list[Sample]:
 # in says otherwise (the integration tests' apps export every 2 s). A fresh scrape can lack what
 # happened since the last export; a value unchanged for one export and a margin has settled.
 EXPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
+# Ray drops a gauge not set again within two export intervals (its metrics agent's
+# ``_resolve_gauge_ttl_seconds``), and Serve sets its unchanged status gauges (replica healthy, which the
+# missing-replica alerts read) only every ``RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S`` (10 s): with an
+# export interval under 5 s, that one must be shorter too, or healthy replicas flicker out of the metrics.
+SERVE_STATUS_GAUGE_ENV = "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S"
 
 
 def export_interval_s() -> float:

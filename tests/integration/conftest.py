@@ -14,14 +14,15 @@ import pytest
 import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
-from bench.engine_metrics import EXPORT_INTERVAL_ENV, RoleMetrics
+from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV, RoleMetrics
 from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
-# The apps of the tests export their metrics every 2 s instead of Ray's 10 (a Ray setting an operator can
-# make too): the tests wait for metrics to settle some forty times, each an export interval and a margin.
-TEST_EXPORT_INTERVAL_MS = "2000"
+# The apps of the tests export their metrics every 2 s instead of Ray's 10 (Ray settings an operator can
+# make too; bench.engine_metrics says why Serve's status gauges go with it): the tests wait for metrics to
+# settle some forty times, each an export interval and a margin.
+TEST_METRICS_ENV = {EXPORT_INTERVAL_ENV: "2000", SERVE_STATUS_GAUGE_ENV: "1"}
 
 
 def pytest_collection_modifyitems(items):
@@ -44,9 +45,10 @@ def no_engine_outlives_the_tests():
 
 @pytest.fixture(scope="session", autouse=True)
 def apps_export_metrics_every_2_s():
-    """Every app, cluster node and metrics reader of the session sees the same interval (its environment)."""
+    """Every app, cluster node and metrics reader of the session sees the same intervals (its environment)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(EXPORT_INTERVAL_ENV, TEST_EXPORT_INTERVAL_MS)
+        for name, value in TEST_METRICS_ENV.items():
+            patch.setenv(name, value)
         yield
 
 
