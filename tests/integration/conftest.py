@@ -152,14 +152,23 @@ IDLE_GAUGES = ("kv_cache_usage_perc", "num_requests_running", "num_requests_wait
 
 class EngineGauges:
     """The latest value of ``IDLE_GAUGES`` each role's engines reported, polled in the background
-    while the block runs. Ray exports an engine's gauges only while the engine sets them, i.e.
-    while it steps: an engine that went idle stops reporting a few seconds later. So a check made
-    after a step of a test must have been watching all along, and it keeps each role's latest
-    value (a role that went idle early may have vanished before another one got there)."""
+    while the block runs. vLLM sets an engine's gauges at the end of each step, and Ray drops a
+    gauge not set again within two exports: an engine that went idle stops reporting seconds later.
+    So a check made after a step of a test must have been watching all along, and it keeps each
+    role's latest value (a role that went idle early may have vanished before another one got there).
+
+    An engine with requests in flight steps (a decode waiting for pushed KV every 0.1 s,
+    connector.idle_wait), so it reports. One whose requests were all aborted mid-step reports
+    nothing more: a role silent for ``SILENT_S`` while watched, longer than any step here, counts
+    as idle whatever it last reported (what a silent engine holds, its gauges cannot show; its
+    blocks held past a lease show in the app log, which the fuzz test reads)."""
+
+    SILENT_S = 30.0
 
     def __init__(self, client, roles: tuple[str, ...]):
         self.client, self.roles = client, roles
         self.latest: dict[str, dict[str, float]] = {role: {} for role in roles}
+        self.last_seen: dict[str, float] = {role: time.monotonic() for role in roles}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -178,14 +187,18 @@ class EngineGauges:
             except httpx.HTTPError:
                 continue
             for role in self.roles:
-                self.latest[role].update({key: snap[role][key] for key in IDLE_GAUGES if key in snap.get(role, {})})
+                reported = {key: snap[role][key] for key in IDLE_GAUGES if key in snap.get(role, {})}
+                if reported:
+                    self.latest[role].update(reported)
+                    self.last_seen[role] = time.monotonic()
 
     def wait_idle(self, timeout_s: float) -> None:
-        """Until every role's last report is no request and no KV block held."""
+        """Until every role's last report is no request and no KV block held, or it stopped stepping."""
         deadline = time.monotonic() + timeout_s
         while True:
             busy = {role: dict(values) for role, values in self.latest.items()
-                    if [values.get(k) for k in IDLE_GAUGES] != [0.0] * 3}
+                    if [values.get(k) for k in IDLE_GAUGES] != [0.0] * 3
+                    and time.monotonic() - self.last_seen[role] < self.SILENT_S}
             if not busy:
                 return
             assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
