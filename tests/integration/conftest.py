@@ -192,6 +192,10 @@ class EngineGauges:
                     self.latest[role].update(reported)
                     self.last_seen[role] = time.monotonic()
 
+    def resumed(self, role: str) -> None:
+        """``role``'s engines were stopped on purpose and run again: their silence counts from now."""
+        self.last_seen[role] = time.monotonic()
+
     def wait_idle(self, timeout_s: float) -> None:
         """Until every role's last report is no request and no KV block held, or it stopped stepping."""
         deadline = time.monotonic() + timeout_s

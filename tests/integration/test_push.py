@@ -90,8 +90,8 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
     worker, from /proc) from the request to its first chunk, per second of that wait: a share
     of a core, so it holds on a slower or faster box. Before the wait, decode's engine took
-    0.7 of a core polling; waiting, it takes what an idle engine does (its threads, Ray's
-    metrics export). The prompt (~1.6k tokens) is prefilled well inside
+    0.7 of a core polling; waiting, it takes what draining NIXL's notifications every 4 ms
+    costs (connector.idle_wait): 0.14 of a core on a fast day, ~0.2 on a slow one. The prompt (~1.6k tokens) is prefilled well inside
     the prefill deadline even on a slow box: a leg that missed it would have decode compute
     the prompt itself (seen in CI with 3.5k tokens), which says nothing about the wait."""
     case = Case("completion-1.6k", prompt=long_text(110))
@@ -115,7 +115,7 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     while sum((grown := _requests_by_prefill_path(client) - paths_before).values()) < 1 and time.monotonic() < deadline:
         time.sleep(1)
     assert dict(grown) == {"remote": 1}, f"the request was not pushed; by prefill path: {dict(grown)}"
-    assert decode_cpu < 0.25 * waited, f"decode used {decode_cpu:.2f} CPU s in {waited:.1f} s (prefill {prefill_cpu:.2f})"
+    assert decode_cpu < 0.35 * waited, f"decode used {decode_cpu:.2f} CPU s in {waited:.1f} s (prefill {prefill_cpu:.2f})"
 
 
 def test_every_stage_of_a_request_is_timed_in_order(client):
@@ -395,8 +395,7 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
             assert r.status_code == 200, r.read()
             return read_stream(r)
 
-    # Watched from the start: Ray exports a gauge only while it is being set, so an engine that has
-    # been idle for a few seconds reports nothing at all.
+    # Watched from the start: an engine that has not stepped for a few seconds reports nothing at all.
     with EngineGauges(client, ("prefill", "decode")) as gauges:
         for pid in engines:
             os.kill(pid, signal.SIGSTOP)
@@ -410,6 +409,7 @@ def test_a_stalled_prefill_engine_falls_back_to_local_prefill_and_frees_decode_k
         finally:
             for pid in engines:
                 os.kill(pid, signal.SIGCONT)
+            gauges.resumed("prefill")
         gauges.wait_idle(timeout_s=handoff.kv_timeout_s + 30)
     assert handoff.prefill_timeout_s <= elapsed < handoff.prefill_timeout_s + 60, f"answered after {elapsed:.0f} s"
     deadline = time.monotonic() + 30
