@@ -69,19 +69,20 @@ def settle_quiet_s() -> float:
 def settle(
     read: Callable[[], T],
     *,
-    quiet_s: float,
-    poll_s: float,
+    quiet_s: float | None = None,
+    poll_s: float = 1.0,
     timeout_s: float | None,
     on_timeout: Literal["raise", "return"] = "raise",
     what: str = "metrics",
 ) -> T:
-    """``read()`` once it stopped changing for ``quiet_s`` (polled every ``poll_s``): Ray
-    exports metrics every few seconds, so a fresh scrape can still lack the last requests.
+    """``read()`` once it stopped changing for ``quiet_s`` (default ``settle_quiet_s()``; polled every
+    ``poll_s``): Ray exports metrics every few seconds, so a fresh scrape can still lack the last requests.
 
     Past ``timeout_s`` (None: no limit) it raises TimeoutError, or with ``on_timeout="return"``
     returns the latest value."""
     if on_timeout not in ("raise", "return"):
         raise ValueError(f"on_timeout must be 'raise' or 'return', not {on_timeout!r}")
+    quiet_s = settle_quiet_s() if quiet_s is None else quiet_s
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     value, since = read(), time.monotonic()
     while time.monotonic() - since < quiet_s:
@@ -140,8 +141,7 @@ class RoleMetrics:
     def settled_snapshot(self, quiet_s: float | None = None, timeout_s: float = 90.0) -> Snapshot:
         """A snapshot that stopped changing for ``quiet_s`` (default ``settle_quiet_s()``): Ray
         exports engine metrics every few seconds, so a fresh scrape can still lack the last requests."""
-        return settle(self.snapshot, quiet_s=quiet_s or settle_quiet_s(), poll_s=1.0, timeout_s=timeout_s,
-                      what="engine metrics")
+        return settle(self.snapshot, quiet_s=quiet_s, timeout_s=timeout_s, what="engine metrics")
 
     def wait_for(self, predicate, timeout_s: float = 60, poll_s: float = 1.0) -> Snapshot:
         """Poll until ``predicate(snapshot)`` is true (Ray exports metrics every few seconds)."""

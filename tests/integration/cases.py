@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.model_source import resolve_model_source
-from bench.engine_metrics import counted_by, delta, settle, settle_quiet_s
+from bench.engine_metrics import counted_by, delta, settle
 from tests.integration.reference import Generation, ReferenceEngine, app_args
 
 MAX_TOKENS = 32
@@ -266,7 +266,7 @@ def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, dead
     case.reference(ref)  # before timing: the reference engine shares the box
     paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
     # Settled: the app's earlier requests may not be exported yet (seen when this ran first on a TP app).
-    before = settle(paths, quiet_s=settle_quiet_s(), poll_s=1.0, timeout_s=90.0, on_timeout="return")
+    before = settle(paths, timeout_s=90.0, on_timeout="return")
     client.kv_fault.write_text(fault)
     started = time.monotonic()
     try:

@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.engine_metrics import scrape, settle, settle_quiet_s
+from bench.engine_metrics import scrape, settle
 from tests.integration.cases import Generation, long_text
 
 MAX_TOKENS = 24
@@ -75,7 +75,7 @@ def ours(client) -> Counter:
 def settled_ours(client, timeout_s: float = 90.0) -> Counter:
     """Our counters once they stopped changing: earlier turns may still be on their way
     (Ray exports metrics every few seconds). Past ``timeout_s``, the latest counters."""
-    return settle(lambda: ours(client), quiet_s=settle_quiet_s(), poll_s=1.0, timeout_s=timeout_s, on_timeout="return")
+    return settle(lambda: ours(client), timeout_s=timeout_s, on_timeout="return")
 
 
 def wait_ours(client, predicate, timeout_s: float = 60) -> Counter:

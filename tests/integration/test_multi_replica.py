@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from app.procs import BASE_URL
-from bench.engine_metrics import counted_by, delta, scrape, settle, settle_quiet_s
+from bench.engine_metrics import counted_by, delta, scrape, settle
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
@@ -54,7 +54,7 @@ def handled_by_replica(client, deployment: str) -> Counter:
 def settled_handled(client, deployment: str) -> Counter:
     """Serve's counters once they stopped changing: a fresh scrape can still lack the
     last requests (Ray exports metrics every few seconds)."""
-    return settle(lambda: handled_by_replica(client, deployment), quiet_s=settle_quiet_s(), poll_s=1.0, timeout_s=120.0, on_timeout="return")
+    return settle(lambda: handled_by_replica(client, deployment), timeout_s=120.0, on_timeout="return")
 
 
 def wait_handled(client, deployment: str, before: Counter, total: int, timeout_s: float = 90) -> Counter:
