@@ -13,8 +13,11 @@ write, so its blocks are not given back; the worker keeps waiting for it and tri
 next step. Only READs that were posted count: one still waiting for its handshake is bounded by
 vLLM's own handshake timeout.
 
-Test-only fault (``connector.kv_checksum``'s switch): ``stall-read`` posts no READ at all, as a
-transfer that never progresses would look.
+Test-only faults (``connector.kv_checksum``'s switch), only where the deadline ends them: ``stall-read``
+posts no READ at all, as a transfer that never progresses would look; ``drop-rank`` never READs the
+last of several producer ranks' shares, while the others land: vLLM would count the request as
+received once the posted READs are done, so the request is held back until its deadline (decode must
+never start on part of its KV).
 
 Swapped into vLLM's pull worker by ``connector.vllm_connectors`` (both roles: prefill's READ of a
 conversation's history from decode, ``pull_history: upstream``, gets the same deadline).
@@ -55,6 +58,22 @@ class ReadDeadline:
             logger.warning("fault injection: %s's READ is never posted", req_id)
             return None
         return super()._read_blocks_for_req(req_id, meta)
+
+    def _read_blocks(self, *args, **kwargs):
+        spec, req_id = kwargs.get("read_spec"), kwargs.get("request_id")
+        if self._read_timeout_s and spec is not None and injected_fault() == "drop-rank":
+            producers = self.transfer_topo.get_engine_info(kwargs["dst_engine_id"]).remote_tp_size
+            if producers > 1 and spec.remote_rank == producers - 1:
+                self._stalled().add(req_id)
+                logger.warning("fault injection: %s's share on producer rank %d is never READ", req_id, spec.remote_rank)
+                return None
+        return super()._read_blocks(*args, **kwargs)
+
+    def _pop_done_transfers(self, transfers):
+        done = super()._pop_done_transfers(transfers)
+        if transfers is self._recving_transfers and done & self._stalled():
+            done -= self._stalled()  # part of its KV never READ: not received (its deadline fails it)
+        return done
 
     def get_finished(self):
         self._cancel_late_reads(time.monotonic())

@@ -22,8 +22,10 @@ from tests.integration.conftest import Client, KvFaultSwitch, running_app, with_
 BASE = "configs/local-cpu.yaml"
 # (mode, prefill TP, decode TP)
 COMBINATIONS = [("push", 3, 1), ("push", 1, 3), ("pull", 3, 1), ("pull", 1, 3)]
-# Short deadlines, so that a request whose KV never all lands is recomputed soon (push).
-HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0}
+# Short deadlines, so that a request whose KV never all lands is recomputed soon (push: from decode's
+# registration; pull: from posting the READ).
+HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0, "read_timeout_s": 15.0}
+KV_DEADLINE_S = {"push": HANDOFF["kv_timeout_s"], "pull": HANDOFF["read_timeout_s"]}
 
 
 def tp_config(log_dir, mode: str, prefill_tp: int, decode_tp: int) -> str:
@@ -53,15 +55,18 @@ def tp_client(request, log_dir):
         switch.assert_only_injected_mismatches(client)
 
 
-@pytest.mark.parametrize("tp_client", COMBINATIONS[:1], ids=_id, indirect=True)
-def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_never_writes(tp_client, reference):
-    """The last of prefill's three ranks skips its WRITE: decode has two of the three completion
-    notifications it counts, so it must not start; at the registration's deadline it recomputes
-    the prompt (the ladder's second rung, counted as prefill="kv_deadline") and the answer is still
-    token-identical. Later requests are pushed whole again: the next test, on the same app, checks
-    that every rank's share of a long prompt lands (pytest runs a module's tests in file order)."""
-    took = assert_kv_deadline_recomputes(tp_client, reference, "drop-rank", HANDOFF["kv_timeout_s"])
-    assert took >= HANDOFF["kv_timeout_s"] - 5, "decode cannot have started before the deadline with two of three shares"
+@pytest.mark.parametrize("tp_client", [COMBINATIONS[0], COMBINATIONS[2]], ids=_id, indirect=True)
+def test_decode_waits_for_every_producer_rank_and_recomputes_when_one_share_never_lands(tp_client, reference):
+    """One of prefill's three shares never lands (test-only ``drop-rank`` fault). Push: the last
+    prefill rank skips its WRITE, and decode has two of the three completion notifications it counts.
+    Pull: decode never READs the last rank's share, and holds the request back though the other two
+    READs are done (connector.pull_deadline). Either way decode must not start; at the KV deadline
+    it recomputes the prompt (the ladder's second rung, counted as prefill="kv_deadline") and the
+    answer is still token-identical. Later requests move whole again: the next test, on the same app,
+    checks that every rank's share of a long prompt lands (pytest runs a module's tests in file order)."""
+    deadline_s = KV_DEADLINE_S[tp_client.combination[0]]
+    took = assert_kv_deadline_recomputes(tp_client, reference, "drop-rank", deadline_s)
+    assert took >= deadline_s - 5, "decode cannot have started before the deadline with two of three shares"
 
 
 @pytest.mark.parametrize("tp_client", COMBINATIONS, ids=_id, indirect=True)
