@@ -246,8 +246,9 @@ class HandoffArgs(_Strict):
     kv_checksums: bool = Field(
         True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "
         "it (push: the sums go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "
-        "wrong is recomputed by decode (counted as prefill path `kv_mismatch`). connector/kv_checksum.py, "
-        "connector/pull_checksum.py; its cost is in docs/benchmarks.md."
+        "wrong is recomputed by decode (counted as prefill path `kv_mismatch`). The same for a conversation's history "
+        "read back from decode, in both modes: prefill recomputes it (counted as history `kv_mismatch`). "
+        "connector/kv_checksum.py, connector/pull_checksum.py; its cost is in docs/benchmarks.md."
     )
 
     @model_validator(mode="after")

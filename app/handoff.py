@@ -25,7 +25,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from app.late_binding import Prefilled
 from app.planner import Route
 from app.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline
-from connector.params import KEEP_HISTORY_KEY, STAGES_KEY, TransferMode, new_transfer_request_id
+from connector.params import KEEP_HISTORY_KEY, REUSE_REPORT_KEY, STAGES_KEY, TransferMode, new_transfer_request_id
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")
 
@@ -63,7 +63,7 @@ class Handoff:
         """``push``: Ray's PD orchestration (``_pd_handle_request``), which calls back into
         :meth:`concurrent_decode`. ``prefill``: the prefill deployment handle and
         ``backend``: the connector backend, both for pull. ``on_prefill_params``: prefill's
-        response params (push); ``on_kept``: decode's response params of a turn it keeps (pull)."""
+        response params (push; pull: those that report on the history); ``on_kept``: decode's response params of a turn it keeps (pull)."""
         self.mode, self._engine, self.timeout_s, self._timelines = mode, engine, timeout_s, timelines
         self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
@@ -156,6 +156,8 @@ class Handoff:
             timeline.stamp(PREFILL_ANSWERED, time.time())
             timeline.add_prefill_report(report)
         answer.kv_transfer_params = params
+        if REUSE_REPORT_KEY in params:  # the history it READ back landed wrong (connector.pull_checksum)
+            self._on_prefill_params(request.request_id, params)
         if hand_off:
             stamps = dict(timeline.stamps) if timeline else {}  # the decoding replica goes on with them
             yield Prefilled(request.request_id, answer.kv_transfer_params, self._replica_id, stamps)

@@ -52,7 +52,8 @@ class TurnBook:
         return self.table.begin(conversation_id, time.time(), continuation)
 
     def prefill_reported(self, request_id: str, params: dict) -> None:
-        """Push: prefill's response params; only turns still in flight have a slot."""
+        """Prefill's response params (push; pull: those reporting a history READ that landed wrong); only
+        turns still in flight have a slot."""
         if request_id in self._reports:
             self._reports[request_id] = ReuseReport.from_wire(params.get(REUSE_REPORT_KEY))
 

@@ -21,8 +21,9 @@ Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted 
 that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
 Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
 physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
-sent and nothing is checked (logged once). Pull mode's READs are checked the same way on landing
-(``KvSumsCheck``); the sums travel with the request instead (``connector.pull_checksum``).
+sent and nothing is checked (logged once). Pull mode's READs, a prompt's and a history's read back,
+are checked the same way on landing (``KvSumsCheck``); the sums travel with the requests instead
+(``connector.pull_checksum``).
 
 Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
@@ -31,8 +32,9 @@ check (as a bad transport would), ``flip-history`` the same on prefill for a his
 ``shift`` makes prefill write every block into its neighbour's slot (pull: decode reads them so,
 ``connector.pull_checksum``), ``drop-rank`` makes the last
 of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
-waits for every producer rank's notification, then recomputes at the registration's deadline),
-``stall-read`` makes a pull worker post no READ (``connector.pull_deadline`` cancels it at its deadline).
+waits for every producer rank's notification, then recomputes at the registration's deadline; pull:
+decode never READs that rank's share, ``connector.pull_deadline``), ``stall-read`` makes a pull
+worker post no READ (``connector.pull_deadline`` cancels it at its deadline).
 """
 
 from __future__ import annotations
@@ -170,8 +172,7 @@ class KvSumsCheck:
             meta = self._recving_metadata.get(req_id)
             if meta is None or len(meta.local_physical_block_ids) != 1:
                 continue
-            remote = getattr(meta, "remote", None)
-            history = remote is not None and remote.request_id == HISTORY_READ_ID
+            history = self._reading_history(req_id, meta)
             checked = self._landed_right(req_id, meta, history)
             if checked is not False:
                 continue
@@ -184,22 +185,20 @@ class KvSumsCheck:
                 send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
         return done
 
+    def _reading_history(self, req_id: str, meta) -> bool:
+        """Whether this receive is a conversation's history read back by prefill (not a prompt's KV on decode)."""
+        return False
+
+    def _expected_sums(self, req_id: str, meta, history: bool) -> np.ndarray | None:
+        """The sender's sums of what this receive should have landed, in the order of its blocks."""
+        return self._expected().pop(req_id, None)
+
     def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
         """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
         blocks = list(meta.local_physical_block_ids[0])
-        if history:
-            offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
-            if offered is None:
-                return None
-            column = {block: i for i, block in enumerate(offered[0])}
-            read = list(meta.remote.block_ids[0])
-            if len(read) != len(blocks) or any(b not in column for b in read):
-                return None  # not the one-to-one READ of offered blocks the sums describe
-            expected = offered[1][:, [column[b] for b in read]]
-        else:
-            expected = self._expected().pop(req_id, None)
-            if expected is None:
-                return None
+        expected = self._expected_sums(req_id, meta, history)
+        if expected is None:
+            return None
         fault = injected_fault()
         if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
             self._kv_regions()[0][blocks[0], 0] ^= 0xFF
@@ -263,6 +262,23 @@ class KvChecksums(KvSumsCheck):
         payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
         for agent in agents:
             self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
+
+    # ---------------------------------------------------------------- prefill: what its history READ should land
+    def _reading_history(self, req_id: str, meta) -> bool:
+        remote = getattr(meta, "remote", None)
+        return remote is not None and remote.request_id == HISTORY_READ_ID
+
+    def _expected_sums(self, req_id: str, meta, history: bool) -> np.ndarray | None:
+        if not history:
+            return super()._expected_sums(req_id, meta, history)
+        offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
+        if offered is None:
+            return None
+        column = {block: i for i, block in enumerate(offered[0])}
+        read = list(meta.remote.block_ids[0])
+        if len(read) != len(meta.local_physical_block_ids[0]) or any(b not in column for b in read):
+            return None  # not the one-to-one READ of offered blocks the sums describe
+        return offered[1][:, [column[b] for b in read]]
 
     # ---------------------------------------------------------------- decode: sums of the history it offers
     def _do_send_reg_notif(self, req_id, reg_data):

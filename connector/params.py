@@ -62,6 +62,8 @@ KEEP_HISTORY_KEY = "rendezvous_keep_history"
 # vLLM's own keys for a leg's role: prefill computes for a remote decode; decode loads from a remote prefill.
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
+# vLLM's own (pull scheduler): set on a leg's params once its READ is planned (or found unneeded).
+READ_PLANNED_KEY = "_remote_blocks_processed"
 
 
 def is_prefill_leg(params: dict[str, Any] | None) -> bool:

@@ -1,5 +1,5 @@
-"""Checksums of pulled KV (vLLM-side; no Ray, no ``app``): what decode's READ landed is checked
-against what prefill computed, before decode uses it.
+"""Checksums of pulled KV (vLLM-side; no Ray, no ``app``): what a READ landed is checked against
+what the engine it read from holds, before it is used.
 
 Push sends the sums in a NIXL notification just before its WRITE (``connector.kv_checksum``). In
 pull, prefill never talks to decode's agent, so the sums travel with the request instead:
@@ -18,9 +18,18 @@ pull, prefill never talks to decode's agent, so the sums travel with the request
    READ when it completes: a mismatch fails the load (vLLM recomputes the prompt), counted as
    ``prefill="kv_mismatch"``.
 
+The other way, the history a conversation turn reads back from decode (``pull_history: upstream``,
+vLLM's own READ): a decode leg that keeps its blocks for the next turn sums its prompt's whole
+blocks in the step that completes the prompt (steps 1-2 on decode; the partial last block still
+changes), and its response carries them under the same key. The orchestrator cuts the offer to the
+verified prefix (``connector.params.pull_history_params``) and the next turn's prefill leg brings
+the sums along; prefill's workers check what their READ landed, a mismatch makes prefill recompute
+the history, and prefill's response reports the turn as ``kv_mismatch`` (``REUSE_REPORT_KEY``).
+A decode leg preempted and recomputed sums its blocks again: recomputed KV need not match the
+bytes it had.
+
 Checked only where both sides' descriptors pair one to one (same TP size, block size and physical
-blocks per logical block); elsewhere decode logs once and does not check. Not covered: the
-history prefill reads back from decode (``pull_history: upstream``, vLLM's own READ).
+blocks per logical block); elsewhere the reader logs once and does not check.
 """
 
 from __future__ import annotations
@@ -34,30 +43,34 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector.kv_checksum import KvSumsCheck, injected_fault
-from connector.params import KV_SUMS_KEY, is_decode_leg, is_prefill_leg
+from connector.params import (KEEP_HISTORY_KEY, KV_SUMS_KEY, READ_PLANNED_KEY, REUSE_REPORT_KEY, ReuseReason,
+                              ReuseReport, is_decode_leg, is_prefill_leg)
 
 logger = logging.getLogger("vllm.rendezvous")
 
-SUM_BLOCKS_ATTR = "rendezvous_sum_blocks"  # prefill metadata: request id -> logical block ids to sum
-EXPECTED_ATTR = "rendezvous_expected_sums"  # decode metadata: request id -> prefill's KV_SUMS_KEY payload
+SUM_BLOCKS_ATTR = "rendezvous_sum_blocks"  # metadata to workers: request id -> logical block ids to sum
+EXPECTED_ATTR = "rendezvous_expected_sums"  # metadata to workers: request id -> the sender's KV_SUMS_KEY payload
+READ_BACK = "read_back"  # in an EXPECTED_ATTR payload: the READ is a conversation's history (prefill)
 
 
 @dataclass
 class PulledSums(KVConnectorWorkerMetadata):
-    """Prefill workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums, and the
-    workers' (TP size, kernel block size, physical blocks per logical block)."""
+    """Workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums, the workers' (TP
+    size, kernel block size, physical blocks per logical block), and the prefill legs whose history
+    READ landed wrong."""
 
     sums: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     layout: tuple[int, int, int] = (1, 0, 1)
+    history_mismatched: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PulledSums:
         merged = {req: dict(ranks) for req, ranks in self.sums.items()}
         for req, ranks in getattr(other, "sums", {}).items():
             merged.setdefault(req, {}).update(ranks)
-        return PulledSums(merged, self.layout)
+        return PulledSums(merged, self.layout, self.history_mismatched | getattr(other, "history_mismatched", set()))
 
     def payload(self, req_id: str) -> dict[str, Any]:
-        """What rides in prefill's kv_transfer_params (JSON-safe: the orchestrator may serialize it)."""
+        """What rides in the kv_transfer_params of a response (JSON-safe: the orchestrator may serialize it)."""
         ranks = self.sums[req_id]
         tp, block_size, physical_per_logical = self.layout
         regions = {int(s.shape[0]) for s in ranks.values()}
@@ -68,20 +81,33 @@ class PulledSums(KVConnectorWorkerMetadata):
 
 
 def expected_for(payload: dict[str, Any], *, tp: int, rank: int, block_size: int, physical_per_logical: int,
-                 blocks: int) -> tuple[np.ndarray | None, str | None]:
-    """This decode rank's expected sums for the last ``blocks`` kernel blocks, or (None, why not)."""
+                 offered: int, blocks: int) -> tuple[np.ndarray | None, str | None]:
+    """This rank's expected sums for a READ of the last ``blocks`` kernel blocks of the first ``offered``
+    logical blocks the sums cover (a prompt's: all of them; a history: the verified prefix), or (None, why not).
+    vLLM pairs the blocks read with the remote list's last ones (the reader may have the first ones cached)."""
     if (payload.get("tp"), payload.get("block_size"), payload.get("physical_per_logical")) != (
             tp, block_size, physical_per_logical):
-        return None, (f"prefill's TP / block size / physical blocks per block {payload.get('tp')} / "
+        return None, (f"the sender's TP / block size / physical blocks per block {payload.get('tp')} / "
                       f"{payload.get('block_size')} / {payload.get('physical_per_logical')}, here {tp} / {block_size} / "
                       f"{physical_per_logical}")
     encoded, regions = (payload.get("ranks") or [""] * tp)[rank], int(payload.get("regions", -1))
     if not encoded or regions <= 0:
-        return None, "no sums from the prefill rank this one reads"
+        return None, "no sums from the remote rank this one reads"
     sums = np.frombuffer(base64.b64decode(encoded), dtype=np.int64).reshape(regions, -1)
-    if not 0 < blocks <= sums.shape[1]:
-        return None, f"{blocks} blocks read, {sums.shape[1]} summed"
-    return sums[:, sums.shape[1] - blocks:], None
+    offered *= physical_per_logical
+    if not 0 < blocks <= offered <= sums.shape[1]:
+        return None, f"{blocks} blocks read of {offered} offered, {sums.shape[1]} summed"
+    return sums[:, offered - blocks:offered], None
+
+
+@dataclass
+class _Leg:
+    """A leg whose blocks this engine sums once its prompt is computed."""
+
+    prompt_tokens: int
+    whole_blocks_only: bool  # decode keeping a turn's history: its partial last block still changes
+    blocks: list[int] = field(default_factory=list)
+    summed: bool = False
 
 
 class PullSumsScheduler:
@@ -89,20 +115,29 @@ class PullSumsScheduler:
 
     _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
 
-    def _sums_state(self) -> dict[str, dict]:
+    def _sums_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_rendezvous_pull_sums")
         if state is None:
-            # legs: prefill legs not yet through their prompt -> [prompt tokens, block ids];
-            # finished: this step's prefill params, by request; expected: decode legs' sums for the workers.
-            state = self.__dict__["_rendezvous_pull_sums"] = {"legs": {}, "finished": {}, "expected": {}}
+            # legs: request -> _Leg, until it finishes; finished: this step's finished legs' params, awaiting
+            # their sums; kept: decode legs' sums, awaiting their response; expected: sums for the workers to
+            # check READs against; history_mismatched: prefill legs whose history READ landed wrong.
+            state = self.__dict__["_rendezvous_pull_sums"] = {
+                "legs": {}, "finished": {}, "kept": {}, "expected": {}, "history_mismatched": set()}
         return state
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         params = request.kv_transfer_params
-        if self._kv_checksums and is_prefill_leg(params):
-            self._sums_state()["legs"][request.request_id] = [len(request.prompt_token_ids or ()), []]
-        elif is_decode_leg(params) and (params or {}).get(KV_SUMS_KEY):
-            self._sums_state()["expected"][request.request_id] = params[KV_SUMS_KEY]
+        if self._kv_checksums and params:
+            state, prompt_tokens = self._sums_state(), len(request.prompt_token_ids or ())
+            if is_prefill_leg(params):
+                state["legs"][request.request_id] = _Leg(prompt_tokens, whole_blocks_only=False)
+                if params.get(KV_SUMS_KEY) and params.get("remote_block_ids") and not params.get(READ_PLANNED_KEY):
+                    state["expected"][request.request_id] = {**params[KV_SUMS_KEY], READ_BACK: True}
+            elif is_decode_leg(params):
+                if params.get(KV_SUMS_KEY):
+                    state["expected"][request.request_id] = params[KV_SUMS_KEY]
+                if params.get(KEEP_HISTORY_KEY):
+                    state["legs"][request.request_id] = _Leg(prompt_tokens, whole_blocks_only=True)
         return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
@@ -117,33 +152,48 @@ class PullSumsScheduler:
             scheduled = scheduler_output.num_scheduled_tokens
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in legs:
-                    legs[new.req_id][1] = list(new.block_ids[0]) if new.block_ids else []
+                    legs[new.req_id].blocks = list(new.block_ids[0]) if new.block_ids else []
                     self._completes(new.req_id, new.num_computed_tokens + scheduled.get(new.req_id, 0), completing)
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
-                if req_id not in legs:
+                leg = legs.get(req_id)
+                if leg is None:
                     continue
                 added = cached.new_block_ids[i]
-                if added is not None:
-                    resumed = req_id in cached.resumed_req_ids  # after a preemption: its whole block list
-                    legs[req_id][1] = (list(added[0]) if resumed else legs[req_id][1] + list(added[0]))
+                if req_id in cached.resumed_req_ids:  # after a preemption: its whole block list, recomputed
+                    leg.blocks, leg.summed = list(added[0]) if added is not None else [], False
+                    state["kept"].pop(req_id, None)
+                elif added is not None:
+                    leg.blocks += list(added[0])
                 self._completes(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), completing)
         if completing:
             setattr(meta, SUM_BLOCKS_ATTR, completing)
         return meta
 
     def _completes(self, req_id: str, computed_after_step: int, completing: dict[str, list[int]]) -> None:
-        prompt_tokens, blocks = self._sums_state()["legs"][req_id]
-        if computed_after_step >= prompt_tokens and blocks:
-            completing[req_id] = list(blocks)
+        leg = self._sums_state()["legs"][req_id]
+        if leg.summed or computed_after_step < leg.prompt_tokens or not leg.blocks:
+            return
+        leg.summed = True
+        completing[req_id] = leg.blocks[:leg.prompt_tokens // self.block_size] if leg.whole_blocks_only else leg.blocks
+        if not completing[req_id]:
+            del completing[req_id]
 
     def request_finished(self, request, block_ids):
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
-        state = self._sums_state()
-        state["legs"].pop(request.request_id, None)
-        if prefill_leg and delay and isinstance(params, dict):
-            state["finished"][request.request_id] = params
+        state, req_id = self._sums_state(), request.request_id
+        leg, kept = state["legs"].pop(req_id, None), state["kept"].pop(req_id, None)
+        mismatched = req_id in state["history_mismatched"]
+        state["history_mismatched"].discard(req_id)
+        if not isinstance(params, dict):
+            return delay, params
+        if prefill_leg and mismatched:
+            params[REUSE_REPORT_KEY] = ReuseReport(ReuseReason.MISMATCH.value).to_wire()
+        if delay and kept is not None:
+            params[KV_SUMS_KEY] = kept
+        elif delay and leg is not None:
+            state["finished"][req_id] = params  # its sums come with this step's worker output
         return delay, params
 
     def update_connector_output(self, connector_output):
@@ -151,32 +201,42 @@ class PullSumsScheduler:
         summed = connector_output.kv_connector_worker_meta
         if not isinstance(summed, PulledSums):
             return
-        finished = self._sums_state()["finished"]
+        state = self._sums_state()
+        state["history_mismatched"] |= summed.history_mismatched
         for req_id in summed.sums:
-            params = finished.pop(req_id, None)
+            params = state["finished"].pop(req_id, None)
             if params is not None:  # the same dict the step's output holds: its response carries the sums
                 params[KV_SUMS_KEY] = summed.payload(req_id)
+            elif getattr(state["legs"].get(req_id), "whole_blocks_only", False):
+                state["kept"][req_id] = summed.payload(req_id)  # for the response when it finishes
 
 
 class PullSumsWorker(KvSumsCheck):
-    """Mixin for the pull worker (put before vLLM's class): prefill sums, decode checks."""
+    """Mixin for the pull worker (put before vLLM's class): sums what is asked, checks what it READs."""
 
     def start_load_kv(self, metadata):
         self.__dict__["_rendezvous_to_sum"] = getattr(metadata, SUM_BLOCKS_ATTR, None)
         for req_id, payload in (getattr(metadata, EXPECTED_ATTR, None) or {}).items() if self._kv_checksums else ():
             reading = metadata.reqs_to_recv.get(req_id)
-            if reading is None or len(reading.local_block_ids) != 1 or not reading.local_block_ids[0]:
+            if (reading is None or reading.remote is None or len(reading.local_block_ids) != 1
+                    or not reading.local_block_ids[0]):
                 continue  # nothing to READ (all cached), or several KV cache groups
             expected, why_not = expected_for(
                 payload, tp=self.world_size, rank=self.tp_rank, block_size=self.block_size,
                 physical_per_logical=self._physical_blocks_per_logical_kv_block,
+                offered=len(reading.remote.block_ids[0]),  # still logical: vLLM expands them when it READs
                 blocks=len(reading.local_block_ids[0]) * self._physical_blocks_per_logical_kv_block)
             if expected is not None and self._kv_regions() is not None:
                 self._expected()[req_id] = expected
+                if payload.get(READ_BACK):
+                    self._expected("_rendezvous_history_reads")[req_id] = True
             elif why_not and not self.__dict__.get("_rendezvous_unchecked_logged"):
                 self.__dict__["_rendezvous_unchecked_logged"] = True
                 logger.warning("KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
         return super().start_load_kv(metadata)
+
+    def _reading_history(self, req_id: str, meta) -> bool:
+        return self._expected("_rendezvous_history_reads").pop(req_id, None) is not None
 
     def _read_blocks_for_req(self, req_id, meta):
         # Test-only fault: READ the prompt's blocks in rotated order, so each lands in its neighbour's
@@ -190,10 +250,9 @@ class PullSumsWorker(KvSumsCheck):
     def build_connector_worker_meta(self):
         meta = getattr(super(), "build_connector_worker_meta", lambda: None)()
         to_sum = self.__dict__.pop("_rendezvous_to_sum", None)
-        if not to_sum or not self._kv_checksums:
-            return meta
-        summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block))
-        for req_id, logical in to_sum.items():
+        summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block),
+                            history_mismatched=self.__dict__.pop("_rendezvous_history_mismatched", set()))
+        for req_id, logical in (to_sum or {}).items():
             try:
                 kernel = self._logical_to_kernel_block_ids((list(logical),), self._physical_blocks_per_logical_kv_block)[0]
                 sums = self.kv_sums(kernel)
@@ -202,6 +261,6 @@ class PullSumsWorker(KvSumsCheck):
                 continue
             if sums is not None:
                 summed.sums[req_id] = {self.tp_rank: sums.astype(np.int64)}
-        if not summed.sums:
+        if not summed.sums and not summed.history_mismatched:
             return meta
         return summed if meta is None else meta.aggregate(summed)

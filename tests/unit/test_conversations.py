@@ -328,3 +328,37 @@ def test_an_expired_conversation_reads_nothing_back_and_its_kept_blocks_are_forg
         mp.setattr("app.turns.time.time", lambda: 500.0)
         assert turns.read_back(turn, "rdv-2", HISTORY + [1]) is None
     assert not turn.reuse and turns._kept == {} and turns.report("rdv-2") is None
+
+
+def test_a_pulled_history_comes_with_decodes_sums_and_a_read_that_landed_wrong_ends_the_turn_as_kv_mismatch():
+    from app.turns import KeptHistory
+    from connector.params import KV_SUMS_KEY, REUSE_REPORT_KEY, ReuseReport
+
+    turns = _pull_turns()
+    table = turns.table
+    table.end(table.begin("c", now=0, continuation=False), now=1)
+    turns._kept["c"] = KeptHistory({**OFFER, KV_SUMS_KEY: {"tp": 1}}, HISTORY, kept_at=1)
+    turn = table.begin("c", now=2, continuation=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("app.turns.time.time", lambda: 2.0)
+        params = turns.read_back(turn, "rdv-2", HISTORY + [1, 2])
+    assert params[KV_SUMS_KEY] == {"tp": 1}  # prefill's workers check its READ against them (connector.pull_checksum)
+    turns.prefill_reported("rdv-2", {REUSE_REPORT_KEY: ReuseReport("kv_mismatch").to_wire()})
+    assert (turns.report("rdv-2").reason, turns.report("rdv-2").reused_tokens) == ("kv_mismatch", 0)
+
+
+def test_a_prefill_leg_whose_history_read_failed_recomputes_instead_of_waiting_for_it_forever():
+    """Upstream asks for the history READ again once the leg's tokens fall back to zero (a READ
+    that failed or landed wrong is recomputed from the first block), but plans one READ per leg:
+    the request would wait for KV that never comes. Ours asks once (connector.pull_history)."""
+    from connector.params import READ_PLANNED_KEY
+    from connector.pull_history import HistoryPullScheduler
+
+    scheduler = HistoryPullScheduler.__new__(HistoryPullScheduler)
+    scheduler.kv_recompute_threshold = 64
+    params = {**OFFER, "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h", "remote_port": 1}
+    request = types.SimpleNamespace(request_id="p", kv_transfer_params=params, prompt_token_ids=HISTORY + [1, 2],
+                                    num_prompt_tokens=len(HISTORY) + 2)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (202, True)  # upstream's answer, before its READ
+    params[READ_PLANNED_KEY] = True  # what upstream's update_state_after_alloc sets once it planned the READ
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from connector import kv_checksum
-from connector.params import KV_SUMS_KEY
+from connector.params import KEEP_HISTORY_KEY, KV_SUMS_KEY, REUSE_REPORT_KEY
 from connector.pull_checksum import (
     EXPECTED_ATTR,
+    READ_BACK,
     SUM_BLOCKS_ATTR,
     PulledSums,
     PullSumsScheduler,
@@ -26,10 +27,13 @@ from connector.pull_checksum import (
 from tests.unit.test_kv_checksum import BLOCKS, Upstream
 
 PREFILL = {"do_remote_decode": True}
+KEEPING = {"do_remote_prefill": True, KEEP_HISTORY_KEY: True}  # a decode leg that keeps its blocks for the next turn
 
 
 class UpstreamScheduler:
     """The calls PullSumsScheduler extends, as vLLM's pull scheduler answers them."""
+
+    block_size = 16
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         pass
@@ -38,8 +42,9 @@ class UpstreamScheduler:
         return SimpleNamespace()
 
     def request_finished(self, request, block_ids):
-        if request.kv_transfer_params.get("do_remote_decode"):
-            return True, {"do_remote_prefill": True, "remote_block_ids": list(block_ids[0])}
+        params = request.kv_transfer_params
+        if params.get("do_remote_decode") or params.get(KEEP_HISTORY_KEY):
+            return True, {"do_remote_prefill": bool(params.get("do_remote_decode")), "remote_block_ids": list(block_ids[0])}
         return False, None
 
     def update_connector_output(self, connector_output):
@@ -105,7 +110,7 @@ def test_the_sums_land_in_the_params_request_finished_returned_in_the_same_step(
     payload = json.loads(json.dumps(params[KV_SUMS_KEY]))  # JSON-safe: it travels in an HTTP body too
     assert (payload["tp"], payload["block_size"], payload["physical_per_logical"], payload["regions"]) == (2, 16, 1, 2)
     for rank in (0, 1):
-        got, why_not = expected_for(payload, tp=2, rank=rank, block_size=16, physical_per_logical=1, blocks=3)
+        got, why_not = expected_for(payload, tp=2, rank=rank, block_size=16, physical_per_logical=1, offered=3, blocks=3)
         assert why_not is None and (got == sums[rank]).all()
     # A later step's sums never reach an earlier step's params (their output was sent without them).
     scheduler.build_connector_meta(_step())
@@ -125,21 +130,83 @@ def test_a_decode_leg_hands_prefills_sums_to_its_workers_with_the_read():
     assert not hasattr(scheduler.build_connector_meta(_step()), EXPECTED_ATTR)  # once
 
 
-@pytest.mark.parametrize("layout, blocks, why_not", [
-    ((1, 16, 1), 3, None),
-    ((1, 16, 1), 2, None),  # decode had the first block cached: the last two pair
-    ((1, 16, 1), 4, "4 blocks read, 3 summed"),
-    ((3, 16, 1), 3, "TP / block size"),  # different TP sizes: descriptors do not pair
-    ((1, 32, 1), 3, "TP / block size"),
+@pytest.mark.parametrize("layout, offered, blocks, columns", [
+    ((1, 16, 1), 3, 3, [0, 1, 2]),
+    ((1, 16, 1), 3, 2, [1, 2]),  # the reader had the first block cached: the last two pair
+    ((1, 16, 1), 2, 1, [1]),  # a history cut to its verified prefix (two blocks), the first one cached
+    ((1, 16, 1), 3, 4, "4 blocks read of 3 offered, 3 summed"),
+    ((1, 16, 1), 4, 2, "2 blocks read of 4 offered, 3 summed"),
+    ((3, 16, 1), 3, 3, "TP / block size"),  # different TP sizes: descriptors do not pair
+    ((1, 32, 1), 3, 3, "TP / block size"),
 ])
-def test_decode_checks_only_where_its_blocks_pair_with_prefills(layout, blocks, why_not):
+def test_a_reader_checks_only_where_its_blocks_pair_with_the_senders(layout, offered, blocks, columns):
     sums = np.arange(6, dtype=np.int64).reshape(2, 3)
     payload = PulledSums({"r": {0: sums}}, layout).payload("r")
-    got, reason = expected_for(payload, tp=1, rank=0, block_size=16, physical_per_logical=1, blocks=blocks)
-    if why_not is None:
-        assert reason is None and (got == sums[:, 3 - blocks:]).all()
+    got, reason = expected_for(payload, tp=1, rank=0, block_size=16, physical_per_logical=1, offered=offered,
+                               blocks=blocks)
+    if isinstance(columns, list):
+        assert reason is None and (got == sums[:, columns]).all()
     else:
-        assert got is None and why_not in reason
+        assert got is None and columns in reason
+
+
+def _finish_step(scheduler, request, blocks, sums):
+    """The step a request finishes in: request_finished, then that step's worker output."""
+    _, params = scheduler.request_finished(request, (list(blocks),))
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=sums))
+    return params
+
+
+def test_a_decode_leg_keeping_its_history_sums_its_prompts_whole_blocks_and_its_response_carries_them():
+    scheduler, request = Scheduler(), _request("d", 40, KEEPING)  # 40 tokens: two whole blocks and a partial one
+    scheduler.update_state_after_alloc(request, None, 39)
+    # The READ landed 39 tokens; the step that computes the last one completes the prompt.
+    assert getattr(scheduler.build_connector_meta(_step(new=[("d", [7, 8, 9], 39, 1)])), SUM_BLOCKS_ATTR) == {"d": [7, 8]}
+    sums = np.arange(4, dtype=np.int64).reshape(2, 2)
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PulledSums({"d": {0: sums}}, (1, 16, 1))))
+    # Decoding steps: nothing more to sum.
+    assert not hasattr(scheduler.build_connector_meta(_step(cached=[("d", None, 40, 1)])), SUM_BLOCKS_ATTR)
+    params = _finish_step(scheduler, request, [7, 8, 9, 10], None)
+    got, why_not = expected_for(params[KV_SUMS_KEY], tp=1, rank=0, block_size=16, physical_per_logical=1, offered=2,
+                                blocks=2)
+    assert why_not is None and (got == sums).all()
+
+
+def test_a_keeping_leg_that_finishes_in_the_step_its_prompt_completes_gets_that_steps_sums():
+    scheduler, request = Scheduler(), _request("d", 40, KEEPING)
+    scheduler.update_state_after_alloc(request, None, 39)
+    scheduler.build_connector_meta(_step(new=[("d", [7, 8, 9], 39, 1)]))
+    params = _finish_step(scheduler, request, [7, 8, 9], PulledSums({"d": {0: np.ones((2, 2), np.int64)}}, (1, 16, 1)))
+    assert KV_SUMS_KEY in params
+
+
+def test_a_keeping_leg_preempted_and_recomputed_is_summed_again_and_its_old_sums_dropped():
+    scheduler, request = Scheduler(), _request("d", 40, KEEPING)
+    scheduler.update_state_after_alloc(request, None, 39)
+    scheduler.build_connector_meta(_step(new=[("d", [7, 8, 9], 39, 1)]))
+    old = PulledSums({"d": {0: np.zeros((2, 2), np.int64)}}, (1, 16, 1))
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=old))
+    resumed = scheduler.build_connector_meta(_step(cached=[("d", [3, 4, 5], 0, 45)], resumed=["d"]))
+    assert getattr(resumed, SUM_BLOCKS_ATTR) == {"d": [3, 4]}
+    new = PulledSums({"d": {0: np.ones((2, 2), np.int64)}}, (1, 16, 1))
+    params = _finish_step(scheduler, request, [3, 4, 5], new)
+    assert params[KV_SUMS_KEY] == new.payload("d")
+
+
+def test_a_prefill_leg_reading_history_back_hands_decodes_sums_to_its_workers_and_reports_a_mismatch():
+    scheduler = Scheduler()
+    history = PulledSums({"d": {0: np.ones((2, 2), np.int64)}}, (1, 16, 1)).payload("d")
+    request = _request("p", 60, {**PREFILL, "remote_block_ids": [[7, 8]], KV_SUMS_KEY: history})
+    scheduler.update_state_after_alloc(request, None, 32)
+    assert getattr(scheduler.build_connector_meta(_step()), EXPECTED_ATTR) == {"p": {**history, READ_BACK: True}}
+    # Its workers found the READ wrong: prefill recomputed the history, and its response says so.
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=PulledSums(history_mismatched={"p"})))
+    scheduler.build_connector_meta(_step(new=[("p", [1, 2, 3, 4], 0, 60)]))
+    params = _finish_step(scheduler, request, [1, 2, 3, 4], None)
+    assert params[REUSE_REPORT_KEY]["reason"] == "kv_mismatch"
+    clean = Scheduler()
+    clean.update_state_after_alloc(_request("q", 60, PREFILL), None, 0)
+    assert REUSE_REPORT_KEY not in _finish_step(clean, _request("q", 60, PREFILL), [1, 2, 3, 4], None)
 
 
 # --------------------------------------------------------------------------- workers over real KV
@@ -159,11 +226,15 @@ class Worker(PullSumsWorker, UpstreamPullWorker):
     pass
 
 
-def _pull(prefill, decode, prefill_blocks=(1, 2, 3), decode_blocks=(7, 6, 5), fault_file=None):
-    """One pull: prefill sums after its forward pass, the sums travel, decode READs (copies) and checks."""
+def _pull(prefill, decode, prefill_blocks=(1, 2, 3), decode_blocks=(7, 6, 5), read_back=False):
+    """One pull: prefill sums after its forward pass, the sums travel, decode READs (copies) and checks.
+    With ``read_back`` the other way round too: ``prefill`` is the decode engine that kept a turn's blocks,
+    ``decode`` the prefill engine reading them back."""
     prefill.start_load_kv(SimpleNamespace(reqs_to_recv={}, **{SUM_BLOCKS_ATTR: {"p": list(prefill_blocks)}}))
     payload = prefill.build_connector_worker_meta().payload("p")
-    reading = SimpleNamespace(local_block_ids=[list(decode_blocks)], remote=SimpleNamespace(request_id="p"))
+    payload = {**payload, READ_BACK: True} if read_back else payload
+    reading = SimpleNamespace(local_block_ids=[list(decode_blocks)],
+                              remote=SimpleNamespace(request_id="p", block_ids=[list(prefill_blocks)]))
     decode.start_load_kv(SimpleNamespace(reqs_to_recv={"d": reading}, **{EXPECTED_ATTR: {"d": payload}}))
     for mine, theirs in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
         for local, remote in zip(prefill_blocks[len(prefill_blocks) - len(decode_blocks):], decode_blocks):
@@ -187,11 +258,26 @@ def test_a_clean_read_is_done_and_a_read_that_landed_wrong_is_failed_and_counted
     assert [(s.request_id, s.failed) for s in sent] == [("d", "kv_mismatch")]
 
 
+def test_a_history_read_back_that_landed_wrong_is_failed_and_reported_to_prefills_scheduler(monkeypatch, tmp_path):
+    sent = []
+    monkeypatch.setattr(kv_checksum, "send_stamps", sent.append)
+    assert _pull(Worker("decode", 1), Worker("prefill", 2), read_back=True) == ({"d"}, [])
+    fault = tmp_path / "fault"
+    fault.write_text("flip-history")
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(fault))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    assert _pull(Worker("decode", 1), Worker("prefill", 2)) == ({"d"}, [])  # a prompt's READ: not this fault's
+    reader = Worker("prefill", 2)
+    assert _pull(Worker("decode", 1), reader, read_back=True) == (set(), ["d"])
+    assert reader.build_connector_worker_meta().history_mismatched == {"d"}
+    assert sent == []  # not decode's prefill="kv_mismatch": the turn's report says it
+
+
 def test_decode_reads_unchecked_where_prefill_sent_no_sums_it_can_pair_and_says_so_once(caplog):
     decode = Worker("decode", 2)
     decode.world_size = 3
     payload = PulledSums({"p": {0: np.zeros((6, BLOCKS), dtype=np.int64)}}, (1, 16, 1)).payload("p")
-    reading = SimpleNamespace(local_block_ids=[[1, 2]], remote=SimpleNamespace(request_id="p"))
+    reading = SimpleNamespace(local_block_ids=[[1, 2]], remote=SimpleNamespace(request_id="p", block_ids=[[1, 2]]))
     with caplog.at_level(logging.WARNING, logger="vllm.rendezvous"):
         for rid in ("d1", "d2"):
             decode.start_load_kv(SimpleNamespace(reqs_to_recv={rid: reading}, **{EXPECTED_ATTR: {rid: payload}}))
