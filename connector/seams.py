@@ -258,6 +258,8 @@ SEAMS: list[Seam] = [
     Seam("vllm", _PULL_S, "get_num_new_matched_tokens", "method", ("connector/pull_history.py",),
          "ask for a prefill leg's history READ once: vLLM plans one READ per leg (marked so in its params), but asks "
          "again when the leg's tokens fall back to zero", snippet='params["_remote_blocks_processed"] = True'),
+    Seam("vllm", _PULL_S, "block_size", "instance", _PULL_SUMS,
+         "sum only the whole (logical) blocks of a kept decode leg's prompt"),
     Seam("vllm", _PULL_S, "is_bidirectional_kv_xfer_enabled", "instance", ("connector/pull_history.py",),
          "lower vLLM's keep-for-read-back flag per request", checked_by=T_PULL),
     # ------------------------------------------------------------------ vLLM: pull checksums (connector/pull_checksum.py)
