@@ -86,3 +86,20 @@ def wait_ours(client, predicate, timeout_s: float = 60) -> Counter:
         if predicate(current) or time.monotonic() > deadline:
             return current
         time.sleep(1)
+
+
+def assert_corrupted_history_is_recomputed(client, reference, conversation: Conversation, text: str) -> None:
+    """One more turn whose history READ back from decode lands with a byte flipped (the test-only
+    ``flip-history`` fault, ``client.kv_fault``): prefill recomputes the history, the answers stay
+    identical to one engine's, and the turn counts as history="kv_mismatch", not "reused"."""
+    before = settled_ours(client)
+    client.kv_fault.write_text("flip-history")
+    try:
+        conversation.say(client, text)
+    finally:
+        client.kv_fault.write_text("")
+    client.kv_faults_injected += 1
+    conversation.assert_identical(reference)
+    turns = lambda c, history: c["conversation_turns", history] - before["conversation_turns", history]  # noqa: E731
+    after = wait_ours(client, lambda c: turns(c, "kv_mismatch") >= 1)
+    assert (turns(after, "kv_mismatch"), turns(after, "reused")) == (1, 0), after

@@ -51,7 +51,14 @@ from tests.integration.cases import (
     parse_stream_generation,
     read_stream,
 )
-from tests.integration.conversations import Conversation, first_difference, settled_ours, user_text, wait_ours
+from tests.integration.conversations import (
+    Conversation,
+    assert_corrupted_history_is_recomputed,
+    first_difference,
+    settled_ours,
+    user_text,
+    wait_ours,
+)
 from tests.integration.reference import app_args
 from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
 from tests.integration.prometheus import prometheus_scraping
@@ -627,17 +634,7 @@ def test_a_history_read_back_that_lands_wrong_is_recomputed_and_reported(client,
     still identical to one engine's, and the turn is counted as history="kv_mismatch"."""
     conversation = Conversation("corrupted-history")
     conversation.say(client, user_text(1, 45))
-    before = settled_ours(client)
-    client.kv_fault.write_text("flip-history")
-    try:
-        conversation.say(client, user_text(2, 10))
-    finally:
-        client.kv_fault.write_text("")
-    client.kv_faults_injected += 1
-    conversation.assert_identical(reference)
-    after = wait_ours(client, lambda c: _counted(c, before, "conversation_turns", "kv_mismatch") >= 1)
-    assert _counted(after, before, "conversation_turns", "kv_mismatch") == 1, after
-    assert _counted(after, before, "conversation_turns", "reused") == 0, after
+    assert_corrupted_history_is_recomputed(client, reference, conversation, user_text(2, 10))
 
 
 def test_an_edited_history_reuses_only_the_prefix_that_still_matches(client, reference):
