@@ -63,7 +63,8 @@ class Handoff:
         """``push``: Ray's PD orchestration (``_pd_handle_request``), which calls back into
         :meth:`concurrent_decode`. ``prefill``: the prefill deployment handle and
         ``backend``: the connector backend, both for pull. ``on_prefill_params``: prefill's
-        response params (push; pull: those that report on the history); ``on_kept``: decode's response params of a turn it keeps (pull)."""
+        response params (push; pull: those that report on the history); ``on_kept``: decode's response
+        params of a turn it keeps (pull)."""
         self.mode, self._engine, self.timeout_s, self._timelines = mode, engine, timeout_s, timelines
         self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept

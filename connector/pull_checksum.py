@@ -175,9 +175,9 @@ class PullSumsScheduler:
         if leg.summed or computed_after_step < leg.prompt_tokens or not leg.blocks:
             return
         leg.summed = True
-        completing[req_id] = leg.blocks[:leg.prompt_tokens // self.block_size] if leg.whole_blocks_only else leg.blocks
-        if not completing[req_id]:
-            del completing[req_id]
+        blocks = leg.blocks[:leg.prompt_tokens // self.block_size] if leg.whole_blocks_only else leg.blocks
+        if blocks:
+            completing[req_id] = blocks
 
     def request_finished(self, request, block_ids):
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
@@ -250,8 +250,11 @@ class PullSumsWorker(KvSumsCheck):
     def build_connector_worker_meta(self):
         meta = getattr(super(), "build_connector_worker_meta", lambda: None)()
         to_sum = self.__dict__.pop("_rendezvous_to_sum", None)
+        mismatched = self.__dict__.pop("_rendezvous_history_mismatched", None)
+        if not to_sum and not mismatched:  # most steps: nothing to report
+            return meta
         summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block),
-                            history_mismatched=self.__dict__.pop("_rendezvous_history_mismatched", set()))
+                            history_mismatched=mismatched or set())
         for req_id, logical in (to_sum or {}).items():
             try:
                 kernel = self._logical_to_kernel_block_ids((list(logical),), self._physical_blocks_per_logical_kv_block)[0]

@@ -71,7 +71,7 @@ class ReadDeadline:
 
     def _pop_done_transfers(self, transfers):
         done = super()._pop_done_transfers(transfers)
-        if transfers is self._recving_transfers and done & self._stalled():
+        if transfers is self._recving_transfers:
             done -= self._stalled()  # part of its KV never READ: not received (its deadline fails it)
         return done
 

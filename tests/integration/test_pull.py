@@ -32,8 +32,13 @@ from tests.integration.cases import (
 )
 from bench.engine_metrics import delta, scrape
 from tests.integration.conftest import KvFaultSwitch, app_client, with_args
-from tests.integration.conversations import (Conversation, assert_corrupted_history_is_recomputed, settled_ours, user_text,
-                                             wait_ours)
+from tests.integration.conversations import (
+    Conversation,
+    assert_corrupted_history_is_recomputed,
+    settled_ours,
+    user_text,
+    wait_ours,
+)
 
 CONFIG = "configs/local-cpu-pull.yaml"
 READ_TIMEOUT_S = 8.0  # a READ here takes well under a second; the stalled one is given up on sooner than by default
