@@ -247,7 +247,8 @@ class HandoffArgs(_Strict):
         True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "
         "it (push: the sums go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "
         "wrong is recomputed by decode (counted as prefill path `kv_mismatch`). The same for a conversation's history "
-        "read back from decode, in both modes: prefill recomputes it (counted as history `kv_mismatch`). "
+        "read back from decode, in both modes: prefill recomputes it (counted as history `kv_mismatch`). Between "
+        "different TP sizes too, by KV-head chunk (connector/sum_ranks.py). "
         "connector/kv_checksum.py, connector/pull_checksum.py; its cost is in docs/benchmarks.md."
     )
 

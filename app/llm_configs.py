@@ -15,6 +15,7 @@ from connector.params import (
     CONNECTOR_MODULE,
     DECODER_BLOCKS_TTL_KEY,
     KV_CHECKSUMS_KEY,
+    KV_PEER_TP_KEY,
     KV_TIMEOUT_KEY,
     RECOMPUTE_THRESHOLD_KEY,
     TransferMode,
@@ -49,6 +50,8 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     else:
         extra[KV_TIMEOUT_KEY] = args.handoff.read_timeout_s  # a READ's deadline (connector.pull_deadline)
+        peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
+        extra[KV_PEER_TP_KEY] = int(args.engine_kwargs_for(peer).get("tensor_parallel_size") or 1)
         if args.upstream_pull_history:
             extra[BIDIRECTIONAL_KEY] = True
             extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s

@@ -19,11 +19,14 @@ path again) and reports the turn as ``kv_mismatch`` (``ReuseReason.MISMATCH``).
 
 Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted blocks, a write
 that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
-Checked only where the descriptors of both sides pair one to one: equal TP sizes, block sizes and
-physical blocks per logical block, one KV cache group, no host buffer; elsewhere the sums are not
-sent and nothing is checked (logged once). Pull mode's READs, a prompt's and a history's read back,
-are checked the same way on landing (``KvSumsCheck``); the sums travel with the requests instead
-(``connector.pull_checksum``).
+Between different TP sizes too (``connector.sum_ranks``): a prefill rank that WRITEs to several
+decode ranks sums each block in as many chunks and sends each rank its chunk's sums; a decode rank
+that several prefill ranks WRITE to adds up their sums. Checked where block sizes and physical
+blocks per logical block match, with one KV cache group and no host buffer; elsewhere the sums are
+not sent and nothing is checked (logged once). A history read back is checked between equal TP
+sizes only: each decode rank registers its offer alone. Pull mode's READs, a prompt's and a
+history's read back, are checked the same way on landing (``KvSumsCheck``); the sums travel with
+the requests instead (``connector.pull_checksum``).
 
 Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
 (and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
@@ -42,6 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -52,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
 from connector.stages import DecodeKvStamps, KvFailure, send_stamps
+from connector.sum_ranks import parts_for, why_unpaired
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -62,11 +67,20 @@ _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, 
 
 
 class KvSums(msgspec.Struct, frozen=True):
-    """Prefill worker -> its peer decode worker, just before a WRITE."""
+    """Prefill worker -> each decode worker it WRITEs to, just before the WRITE."""
 
     request_id: str  # decode's
     regions: int
-    sums: bytes  # int64, [regions, blocks], blocks in decode's order
+    sums: bytes  # int64, [regions, blocks], blocks in decode's order: of the chunk of our blocks this rank gets
+    producers: int = 1  # prefill ranks that WRITE into each of decode's blocks: their sums add up (sum_ranks)
+
+
+@dataclass
+class _Received:
+    """Decode: the sums of one receive, as its producer ranks' notifications come in."""
+
+    producers: int
+    sums: list[np.ndarray] = field(default_factory=list)
 
 
 def injected_fault() -> str | None:
@@ -145,16 +159,22 @@ class KvSumsCheck:
         return regions
 
     def kv_sums(self, block_ids) -> np.ndarray | None:
-        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered.
+        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered."""
+        sums = self.kv_part_sums(block_ids)
+        return None if sums is None else sums[:, :, 0]
+
+    def kv_part_sums(self, block_ids, parts: int = 1) -> np.ndarray | None:
+        """[regions, len(block_ids), parts] int64 sums of each block's ``parts`` equal chunks (the KV
+        heads of as many ranks of a bigger TP: connector.sum_ranks), or None if not covered.
         Summed in place, a run of consecutive blocks at a time (a request's blocks mostly are): the
         bytes are read once and never copied."""
         import torch
 
         regions = self._kv_regions()
-        if regions is None:
+        if regions is None or any(region.shape[1] % parts for region in regions):
             return None
         runs = _runs(list(block_ids))
-        return torch.stack([torch.cat([region[start:start + n].sum(dim=1) for start, n in runs])
+        return torch.stack([torch.cat([region[start:start + n].reshape(n, parts, -1).sum(dim=2) for start, n in runs])
                             for region in regions]).cpu().numpy()
 
     def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
@@ -235,33 +255,50 @@ class KvChecksums(KvSumsCheck):
 
     def _send_kv_sums(self, meta) -> None:
         remote = meta.remote
-        info = self.transfer_topo.get_engine_info(remote.engine_id)
-        paired = (len(meta.local_physical_block_ids) == 1 and len(remote.block_ids) == 1
-                  and info.remote_tp_size == self.world_size
-                  and self.transfer_topo.block_size_ratio(info.remote_block_size) == 1
-                  and info.remote_physical_blocks_per_logical == self._physical_blocks_per_logical_kv_block)
-        # vLLM keys a remote engine's agents by (pp rank, tp rank): ours is the same tp rank (tp sizes are equal).
-        agents = [name for key, name in (self._remote_agents.get(remote.engine_id) or {}).items()
-                  if (key[-1] if isinstance(key, tuple) else key) == self.tp_rank]
-        if not paired or not agents:
+        targets, why_not = self._sum_targets(meta)
+        if why_not:
             unchecked = self.__dict__.setdefault("_rendezvous_unchecked_engines", set())
             if remote.engine_id not in unchecked:
                 unchecked.add(remote.engine_id)
-                logger.warning(
-                    "KV checksums off for pushes to engine %s: its descriptors do not pair with ours one to one "
-                    "(TP %s here, %s there; block size ratio %s; %s)", remote.engine_id, self.world_size,
-                    info.remote_tp_size, self.transfer_topo.block_size_ratio(info.remote_block_size),
-                    "no agent of our TP rank" if paired else "or several KV cache groups / physical blocks per block")
+                logger.warning("KV checksums off for pushes to engine %s: %s", remote.engine_id, why_not)
             return
         # Decode allocated only what it did not have cached: the blocks pair from the end.
         wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
         local = list(meta.local_physical_block_ids[0])[-wanted:] if wanted else []
-        sums = self.kv_sums(local) if local else None
+        sums = self.kv_part_sums(local, len(targets)) if local else None
         if sums is None:
             return
-        payload = KvSums(remote.request_id, sums.shape[0], sums.astype(np.int64).tobytes())
-        for agent in agents:
+        remote_tp = self.transfer_topo.get_engine_info(remote.engine_id).remote_tp_size
+        producers = max(1, self.world_size // remote_tp)  # prefill ranks whose sums add up to a decode rank's
+        for chunk, agent in targets:
+            payload = KvSums(remote.request_id, sums.shape[0], np.ascontiguousarray(sums[:, :, chunk]).tobytes(),
+                             producers)
             self.nixl_wrapper.send_notif(agent, notif_msg=KV_SUMS_NOTIF + msgspec.msgpack.encode(payload))
+
+    def _sum_targets(self, meta) -> tuple[list[tuple[int, str]], str | None]:
+        """(chunk of our blocks it receives, agent) for each decode rank our WRITE goes to (vLLM's TP
+        mapping: all_source_ranks, chunk rank_to_attention_slot), or why sums cannot be paired there."""
+        remote, topo = meta.remote, self.transfer_topo
+        info = topo.get_engine_info(remote.engine_id)
+        if len(meta.local_physical_block_ids) != 1 or len(remote.block_ids) != 1:
+            return [], "several KV cache groups"
+        if (topo.block_size_ratio(info.remote_block_size) != 1
+                or info.remote_physical_blocks_per_logical != self._physical_blocks_per_logical_kv_block):
+            return [], "the block sizes differ"
+        why_not = why_unpaired(self.world_size, info.remote_tp_size, topo.total_num_kv_heads, not topo.is_mla)
+        if why_not:
+            return [], why_not
+        plan = self.tp_mappings[remote.engine_id]
+        ranks = list(plan.all_source_ranks)
+        if len(ranks) != parts_for(self.world_size, info.remote_tp_size):
+            return [], f"vLLM writes to decode ranks {ranks}, not one per chunk"
+        # vLLM keys a remote engine's agents by (pp rank, tp rank).
+        agents = {(key[-1] if isinstance(key, tuple) else key): name
+                  for key, name in (self._remote_agents.get(remote.engine_id) or {}).items()}
+        if any(rank not in agents for rank in ranks):
+            return [], f"no agent of decode rank(s) {[r for r in ranks if r not in agents]}"
+        return [(plan.rank_to_attention_slot.get(rank, 0) if len(ranks) > 1 else 0, agents[rank])
+                for rank in ranks], None
 
     # ---------------------------------------------------------------- prefill: what its history READ should land
     def _reading_history(self, req_id: str, meta) -> bool:
@@ -270,7 +307,11 @@ class KvChecksums(KvSumsCheck):
 
     def _expected_sums(self, req_id: str, meta, history: bool) -> np.ndarray | None:
         if not history:
-            return super()._expected_sums(req_id, meta, history)
+            received = self._expected().pop(req_id, None)
+            if (received is None or len(received.sums) != received.producers
+                    or len({sums.shape for sums in received.sums}) != 1):
+                return None  # a sender's sums were not sent (or are of other blocks): nothing to check against
+            return np.sum(received.sums, axis=0, dtype=np.int64)
         offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
         if offered is None:
             return None
@@ -283,7 +324,8 @@ class KvChecksums(KvSumsCheck):
     # ---------------------------------------------------------------- decode: sums of the history it offers
     def _do_send_reg_notif(self, req_id, reg_data):
         offer = reg_data.get(OFFER_KEY)
-        if offer and offer.get("block_ids"):
+        # Sums of a history are paired one to one only (each decode rank registers alone).
+        if offer and offer.get("block_ids") and reg_data.get("remote_tp_size", 1) == self.world_size:
             try:
                 ids = self._logical_to_kernel_block_ids((list(offer["block_ids"]),),
                                                         self._physical_blocks_per_logical_kv_block)[0]
@@ -326,7 +368,8 @@ class KvChecksums(KvSumsCheck):
             except msgspec.DecodeError:
                 logger.warning("malformed KV sums notification dropped")
                 continue
-            expected[sums.request_id] = np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1)
+            received = expected.setdefault(sums.request_id, _Received(sums.producers))
+            received.sums.append(np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1))
         return super()._get_new_notifs()
 
 

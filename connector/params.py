@@ -34,6 +34,10 @@ KV_CHECKSUMS_KEY = "rendezvous_kv_checksums"
 # Pull: the sums of the KV a prefill leg leaves for decode to READ, in prefill's response and so in
 # the decode leg's kv_transfer_params (connector/pull_checksum.py).
 KV_SUMS_KEY = "rendezvous_kv_sums"
+# kv_connector_extra_config key (pull): the other role's tensor parallel size. A pull sender sums its
+# blocks in as many chunks as the reader's TP has ranks a block (connector.sum_ranks); push learns it
+# in the NIXL handshake.
+KV_PEER_TP_KEY = "rendezvous_kv_peer_tp_size"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 

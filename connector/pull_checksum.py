@@ -28,8 +28,11 @@ the history, and prefill's response reports the turn as ``kv_mismatch`` (``REUSE
 A decode leg preempted and recomputed sums its blocks again: recomputed KV need not match the
 bytes it had.
 
-Checked only where both sides' descriptors pair one to one (same TP size, block size and physical
-blocks per logical block); elsewhere the reader logs once and does not check.
+Checked where both sides' block size and physical blocks per logical block match, between any TP
+sizes that ``connector.sum_ranks`` pairs: a sender sums each block in as many chunks as the reader's
+TP has ranks a block of its own (it learns the reader's TP size from its config, ``KV_PEER_TP_KEY``:
+the orchestrator picks decode late, but every decode replica has the same TP). Elsewhere the reader
+logs once and does not check.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector.kv_checksum import KvSumsCheck, injected_fault
+from connector.sum_ranks import expected_for_rank, parts_for, why_unpaired
 from connector.params import (KEEP_HISTORY_KEY, KV_SUMS_KEY, READ_PLANNED_KEY, REUSE_REPORT_KEY, ReuseReason,
                               ReuseReport, is_decode_leg, is_prefill_leg)
 
@@ -55,49 +59,62 @@ READ_BACK = "read_back"  # in an EXPECTED_ATTR payload: the READ is a conversati
 
 @dataclass
 class PulledSums(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums, the workers' (TP
-    size, kernel block size, physical blocks per logical block), and the prefill legs whose history
-    READ landed wrong."""
+    """Workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums ([regions, blocks,
+    parts] where each block is summed in ``parts`` chunks for a reader of a bigger TP:
+    connector.sum_ranks), the workers' (TP size, kernel block size, physical blocks per logical
+    block), and the prefill legs whose history READ landed wrong."""
 
     sums: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)
     layout: tuple[int, int, int] = (1, 0, 1)
     history_mismatched: set[str] = field(default_factory=set)
+    parts: int = 1
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PulledSums:
         merged = {req: dict(ranks) for req, ranks in self.sums.items()}
         for req, ranks in getattr(other, "sums", {}).items():
             merged.setdefault(req, {}).update(ranks)
-        return PulledSums(merged, self.layout, self.history_mismatched | getattr(other, "history_mismatched", set()))
+        return PulledSums(merged, self.layout, self.history_mismatched | getattr(other, "history_mismatched", set()),
+                          self.parts)
 
     def payload(self, req_id: str) -> dict[str, Any]:
         """What rides in the kv_transfer_params of a response (JSON-safe: the orchestrator may serialize it)."""
         ranks = self.sums[req_id]
         tp, block_size, physical_per_logical = self.layout
         regions = {int(s.shape[0]) for s in ranks.values()}
-        return {"tp": tp, "block_size": block_size, "physical_per_logical": physical_per_logical,
+        return {"tp": tp, "block_size": block_size, "physical_per_logical": physical_per_logical, "parts": self.parts,
                 "regions": regions.pop() if len(regions) == 1 else -1,
                 "ranks": [base64.b64encode(np.ascontiguousarray(ranks[r], dtype=np.int64).tobytes()).decode()
                           if r in ranks else "" for r in range(tp)]}
 
 
 def expected_for(payload: dict[str, Any], *, tp: int, rank: int, block_size: int, physical_per_logical: int,
-                 offered: int, blocks: int) -> tuple[np.ndarray | None, str | None]:
+                 offered: int, blocks: int, kv_heads: int, split_heads: bool = True) -> tuple[np.ndarray | None, str | None]:
     """This rank's expected sums for a READ of the last ``blocks`` kernel blocks of the first ``offered``
     logical blocks the sums cover (a prompt's: all of them; a history: the verified prefix), or (None, why not).
-    vLLM pairs the blocks read with the remote list's last ones (the reader may have the first ones cached)."""
-    if (payload.get("tp"), payload.get("block_size"), payload.get("physical_per_logical")) != (
-            tp, block_size, physical_per_logical):
-        return None, (f"the sender's TP / block size / physical blocks per block {payload.get('tp')} / "
-                      f"{payload.get('block_size')} / {payload.get('physical_per_logical')}, here {tp} / {block_size} / "
-                      f"{physical_per_logical}")
-    encoded, regions = (payload.get("ranks") or [""] * tp)[rank], int(payload.get("regions", -1))
-    if not encoded or regions <= 0:
-        return None, "no sums from the remote rank this one reads"
-    sums = np.frombuffer(base64.b64decode(encoded), dtype=np.int64).reshape(regions, -1)
+    vLLM pairs the blocks read with the remote list's last ones (the reader may have the first ones cached).
+    The sender's TP may differ from ours (``tp``): connector.sum_ranks says which of its ranks' sums make ours."""
+    sender_tp = int(payload.get("tp") or 0)
+    if (payload.get("block_size"), payload.get("physical_per_logical")) != (block_size, physical_per_logical):
+        return None, (f"the sender's block size / physical blocks per block {payload.get('block_size')} / "
+                      f"{payload.get('physical_per_logical')}, here {block_size} / {physical_per_logical}")
+    why_not = why_unpaired(sender_tp, tp, kv_heads, split_heads)
+    if why_not:
+        return None, why_not
+    encoded, regions, parts = payload.get("ranks") or [], int(payload.get("regions", -1)), int(payload.get("parts", 1))
+    if regions <= 0 or parts <= 0 or len(encoded) != sender_tp:
+        return None, "no sums from the remote ranks this one reads"
     offered *= physical_per_logical
-    if not 0 < blocks <= offered <= sums.shape[1]:
-        return None, f"{blocks} blocks read of {offered} offered, {sums.shape[1]} summed"
-    return sums[:, offered - blocks:offered], None
+    by_rank = {}
+    for sender_rank, text in enumerate(encoded):
+        if text:
+            try:
+                sums = np.frombuffer(base64.b64decode(text), dtype=np.int64).reshape(regions, -1, parts)
+            except ValueError:
+                return None, f"sender rank {sender_rank}'s sums are not {regions} regions of {parts} chunk(s) a block"
+            if not 0 < blocks <= offered <= sums.shape[1]:
+                return None, f"{blocks} blocks read of {offered} offered, {sums.shape[1]} summed"
+            by_rank[sender_rank] = sums[:, offered - blocks:offered]
+    return expected_for_rank(by_rank, sender_tp=sender_tp, reader_tp=tp, reader_rank=rank)
 
 
 @dataclass
@@ -214,6 +231,8 @@ class PullSumsScheduler:
 class PullSumsWorker(KvSumsCheck):
     """Mixin for the pull worker (put before vLLM's class): sums what is asked, checks what it READs."""
 
+    _kv_peer_tp: int = 1  # the other role's TP size (KV_PEER_TP_KEY, set by connector.vllm_connectors)
+
     def start_load_kv(self, metadata):
         self.__dict__["_rendezvous_to_sum"] = getattr(metadata, SUM_BLOCKS_ATTR, None)
         for req_id, payload in (getattr(metadata, EXPECTED_ATTR, None) or {}).items() if self._kv_checksums else ():
@@ -225,7 +244,8 @@ class PullSumsWorker(KvSumsCheck):
                 payload, tp=self.world_size, rank=self.tp_rank, block_size=self.block_size,
                 physical_per_logical=self._physical_blocks_per_logical_kv_block,
                 offered=len(reading.remote.block_ids[0]),  # still logical: vLLM expands them when it READs
-                blocks=len(reading.local_block_ids[0]) * self._physical_blocks_per_logical_kv_block)
+                blocks=len(reading.local_block_ids[0]) * self._physical_blocks_per_logical_kv_block,
+                kv_heads=self.transfer_topo.total_num_kv_heads, split_heads=not self.transfer_topo.is_mla)
             if expected is not None and self._kv_regions() is not None:
                 self._expected()[req_id] = expected
                 if payload.get(READ_BACK):
@@ -253,12 +273,14 @@ class PullSumsWorker(KvSumsCheck):
         mismatched = self.__dict__.pop("_rendezvous_history_mismatched", None)
         if not to_sum and not mismatched:  # most steps: nothing to report
             return meta
+        # As many chunks a block as the reader's TP has ranks a block of ours (1 when it is not bigger).
+        parts = parts_for(self.world_size, self._kv_peer_tp)
         summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block),
-                            history_mismatched=mismatched or set())
+                            history_mismatched=mismatched or set(), parts=parts)
         for req_id, logical in (to_sum or {}).items():
             try:
                 kernel = self._logical_to_kernel_block_ids((list(logical),), self._physical_blocks_per_logical_kv_block)[0]
-                sums = self.kv_sums(kernel)
+                sums = self.kv_part_sums(kernel, parts)
             except Exception:  # a check is never worth a request
                 logger.exception("KV sums of %s not computed", req_id)
                 continue

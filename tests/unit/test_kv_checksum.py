@@ -20,24 +20,26 @@ from connector import kv_checksum
 from connector.kv_checksum import KvChecksums, mismatches
 from connector.side_notifs import KV_SUMS_NOTIF, SideRoutingQueue
 
-LAYERS, BLOCKS, BLOCK_ELEMS = 3, 8, 64
+LAYERS, BLOCKS, BLOCK_ELEMS, KV_HEADS = 3, 8, 64, 4
 
 
 class Upstream:
     """What KvChecksums reads of vLLM's push worker, with KV caches of LAYERS x BLOCKS blocks."""
 
-    def __init__(self, engine_id: str, seed: int):
-        self.engine_id, self.tp_rank, self.world_size = engine_id, 0, 1
+    def __init__(self, engine_id: str, seed: int, tp_rank: int = 0, world_size: int = 1, remote_tp: int = 1):
+        self.engine_id, self.tp_rank, self.world_size = engine_id, tp_rank, world_size
         self._has_mamba, self.use_host_buffer, self._physical_blocks_per_logical_kv_block = False, False, 1
         generator = torch.Generator().manual_seed(seed)
-        # [2 (K, V), blocks, elems]: a block's K and V are not adjacent, as in vLLM's CPU layout.
-        self.device_kv_caches = {f"layer{i}": torch.randn(2, BLOCKS, BLOCK_ELEMS, generator=generator)
+        # [2 (K, V), blocks, elems]: a block's K and V are not adjacent, as in vLLM's CPU layout. A rank
+        # holds its share of KV_HEADS heads, each a contiguous chunk of the block (vLLM splits them so).
+        elems = BLOCK_ELEMS // world_size
+        self.device_kv_caches = {f"layer{i}": torch.randn(2, BLOCKS, elems, generator=generator)
                                  for i in range(LAYERS)}
         rows = []
         for cache in self.device_kv_caches.values():
             for half in range(2):
                 for block in range(BLOCKS):
-                    rows.append((cache[half, block].data_ptr(), BLOCK_ELEMS * 4, 0))
+                    rows.append((cache[half, block].data_ptr(), elems * 4, 0))
         self.src_blocks_data, self.num_regions, self.num_blocks = np.array(rows, dtype=np.int64), LAYERS * 2, BLOCKS
         self._pending_completion_notifs: queue.Queue = SideRoutingQueue()
         self._recving_transfers: dict[str, list] = {}
@@ -47,17 +49,25 @@ class Upstream:
         self.notifs_sent: list[tuple[str, bytes]] = []
         self.nixl_wrapper = SimpleNamespace(send_notif=lambda agent, notif_msg: self.notifs_sent.append((agent, notif_msg)))
         self._remote_agents = {"decode": {(0, 0): "decode-agent-0", (0, 1): "decode-agent-1"}}  # (pp rank, tp rank)
-        info = SimpleNamespace(remote_tp_size=1, remote_block_size=16, remote_physical_blocks_per_logical=1)
-        self.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info, block_size_ratio=lambda size: 1)
+        info = SimpleNamespace(remote_tp_size=remote_tp, remote_block_size=16, remote_physical_blocks_per_logical=1)
+        self.transfer_topo = SimpleNamespace(get_engine_info=lambda engine_id: info, block_size_ratio=lambda size: 1,
+                                             total_num_kv_heads=KV_HEADS, is_mla=False)
+        # vLLM's TP mapping as compute_tp_mapping makes it (heads not shared): the decode ranks we WRITE to.
+        ranks = (tuple(range(tp_rank * remote_tp // world_size, (tp_rank + 1) * remote_tp // world_size))
+                 if remote_tp > world_size else (tp_rank * remote_tp // world_size,))
+        self.tp_mappings = {"decode": SimpleNamespace(all_source_ranks=ranks,
+                                                      rank_to_attention_slot={r: i for i, r in enumerate(ranks)})}
         self.peer: Upstream | None = None
+        self.targets: list | None = None  # (peer, our chunk, its chunk) per decode rank: different TP sizes
         self.registrations_sent: list[bytes] = []
         self.registrations_seen: list[bytes] = []
 
     def _xfer_blocks_for_req(self, req_id, meta):  # the WRITE: region by region, block by block
-        for mine, theirs in zip(self.device_kv_caches.values(), self.peer.device_kv_caches.values()):
-            for local, remote in zip(meta.local_physical_block_ids[0][-len(meta.remote.block_ids[0]):],
-                                     meta.remote.block_ids[0]):
-                theirs[:, remote] = mine[:, local]
+        for peer, ours, its in self.targets or [(self.peer, slice(None), slice(None))]:
+            for mine, theirs in zip(self.device_kv_caches.values(), peer.device_kv_caches.values()):
+                for local, remote in zip(meta.local_physical_block_ids[0][-len(meta.remote.block_ids[0]):],
+                                         meta.remote.block_ids[0]):
+                    theirs[:, remote, its] = mine[:, local, ours]
 
     def _get_new_notifs(self):
         return set()
@@ -182,7 +192,7 @@ def test_faults_need_both_switches(tmp_path, monkeypatch):
 def test_layouts_the_sums_do_not_cover_send_none_and_check_nothing():
     prefill, decode = _pair()
     prefill.transfer_topo.get_engine_info = lambda engine_id: SimpleNamespace(
-        remote_tp_size=2, remote_block_size=16, remote_physical_blocks_per_logical=1)  # heterogeneous TP
+        remote_tp_size=8, remote_block_size=16, remote_physical_blocks_per_logical=1)  # more ranks than KV heads
     done, _, failed = _push(prefill, decode)
     assert done == {"rdv-1"} and not failed and not prefill.notifs_sent
     hybrid = Worker("hybrid", seed=3)
@@ -234,3 +244,75 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     meta = prefill.build_connector_worker_meta()
     assert (meta.mismatched if meta else set()) == mismatched
     assert not prefill.__dict__["_rendezvous_history_sums"]  # the offer's sums were found, and used once
+
+
+def _receive(decode, request_id, remote, notifs):
+    """Decode's side of a push: the sums notifications its agent got, then the receive's check."""
+    for notif in notifs:
+        decode._pending_completion_notifs.put(notif)
+    decode._recving_metadata[request_id] = SimpleNamespace(local_block_ids=[list(remote)],
+                                                           local_physical_block_ids=(list(remote),), remote=None)
+    decode._recving_transfers[request_id] = []
+    decode._get_new_notifs()
+    done = decode._pop_done_transfers(decode._recving_transfers)
+    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
+    return done, failed
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("corrupt", [None, "first", "last"])
+def test_between_different_tp_sizes_each_decode_rank_checks_exactly_its_share(prefill_tp, decode_tp, corrupt):
+    """vLLM moves each block between TP ranks by KV-head chunk: a prefill rank of the smaller TP WRITEs
+    chunk j of its blocks to the j-th of its decode ranks, a prefill rank of the bigger TP WRITEs its
+    whole blocks into its chunk of a decode rank's. The stand-in WRITE below moves exactly those bytes;
+    every decode rank checks what landed in its blocks against its senders' sums, and a byte wrong in
+    one decode rank's share fails that rank's receive (vLLM recomputes if any rank fails) and no other."""
+    prefills = [Worker("prefill", seed=10 + r, tp_rank=r, world_size=prefill_tp, remote_tp=decode_tp)
+                for r in range(prefill_tp)]
+    decodes = [Worker("decode", seed=20 + r, tp_rank=r, world_size=decode_tp) for r in range(decode_tp)]
+    agents = {f"decode-agent-{r}": r for r in range(decode_tp)}
+    for prefill in prefills:
+        prefill._remote_agents = {"decode": {(0, r): name for name, r in agents.items()}}
+        elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)  # the chunk one rank pair moves
+        if prefill_tp >= decode_tp:  # our whole block into chunk (our rank % k) of one decode rank's
+            k = prefill_tp // decode_tp
+            at = (prefill.tp_rank % k) * elems
+            prefill.targets = [(decodes[prefill.tp_rank // k], slice(None), slice(at, at + elems))]
+        else:  # chunk j of our block into the j-th decode rank's whole block
+            k = decode_tp // prefill_tp
+            prefill.targets = [(decodes[prefill.tp_rank * k + j], slice(j * elems, (j + 1) * elems), slice(None))
+                               for j in range(k)]
+    remote = (6, 5, 0)
+    meta = lambda: SimpleNamespace(local_physical_block_ids=([1, 2, 3, 4],),  # noqa: E731
+                                   remote=SimpleNamespace(engine_id="decode", request_id="rdv-7", block_ids=(list(remote),)))
+    for prefill in prefills:
+        prefill._xfer_blocks_for_req("prefill-id", meta())
+    wrong_rank = {None: None, "first": 0, "last": decode_tp - 1}[corrupt]
+    if wrong_rank is not None:  # one byte of one layer of one block, after it landed on that rank
+        next(iter(decodes[wrong_rank].device_kv_caches.values()))[1, 5, -1] += 1.0
+    for rank, decode in enumerate(decodes):
+        notifs = [n for p in prefills for agent, n in p.notifs_sent if agents[agent] == rank]
+        assert len(notifs) == max(1, prefill_tp // decode_tp)  # one from every prefill rank that WRITEs here
+        done, failed = _receive(decode, "rdv-7", remote, notifs)
+        assert (done, failed) == ((set(), ["rdv-7"]) if rank == wrong_rank else ({"rdv-7"}, []))
+
+
+def test_a_decode_rank_missing_a_producers_sums_checks_nothing_rather_than_a_part():
+    """Three of four prefill ranks' sums: comparing a part with the whole would be a false alarm."""
+    prefills = [Worker("prefill", seed=30 + r, tp_rank=r, world_size=4) for r in range(4)]
+    decode = Worker("decode", seed=40)
+    for prefill in prefills[:3]:
+        prefill._send_kv_sums(SimpleNamespace(local_physical_block_ids=([1, 2],), remote=SimpleNamespace(
+            engine_id="decode", request_id="rdv-8", block_ids=([3, 4],))))
+    assert _receive(decode, "rdv-8", (3, 4), [n for p in prefills for _, n in p.notifs_sent]) == ({"rdv-8"}, [])
+
+
+def test_a_block_is_summed_in_chunks_that_add_up_to_its_sum():
+    worker = Worker("w", seed=11)
+    ids = [3, 4, 0]
+    chunks = worker.kv_part_sums(ids, 4)
+    assert chunks.shape == (LAYERS * 2, 3, 4)
+    assert (chunks.sum(axis=2) == worker.kv_sums(ids)).all()
+    cache = next(iter(worker.device_kv_caches.values()))
+    assert chunks[0, 0, 1] == int(cache[0, 3, 16:32].contiguous().view(torch.int64).sum())
+    assert worker.kv_part_sums(ids, 3) is None  # 64 float32 a block: not three equal chunks of whole words

@@ -123,6 +123,16 @@ def test_kv_transfer_config_names_our_connector(mode, role, kv_role):
     assert "engine_id" not in ktc
 
 
+def test_pull_engines_know_the_other_roles_tp_size_to_sum_in_its_chunks():
+    """A pull sender sums each block in as many chunks as the reader's TP has ranks a block
+    (connector.sum_ranks); decode is picked late, so the size comes from the config, not the request."""
+    args = AppArgs.parse({**CPU_RAW, "mode": "pull", "decode": {**CPU_RAW.get("decode", {}),
+                                                              "engine_kwargs": {"tensor_parallel_size": 3}}})
+    peer = {role: cfg(role, args)["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"][
+        "rendezvous_kv_peer_tp_size"] for role in Role}
+    assert peer == {Role.PREFILL: 3, Role.DECODE: 1}
+
+
 @pytest.mark.parametrize("pull_history, bidirectional", [("recompute", False), ("upstream", True)])
 def test_pull_history_upstream_turns_on_vllms_read_back_with_our_retention(pull_history, bidirectional):
     conversations = {"pull_history": pull_history, "retention_s": 90, "recompute_threshold": 32}

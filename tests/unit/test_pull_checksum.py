@@ -24,7 +24,7 @@ from connector.pull_checksum import (
     PullSumsWorker,
     expected_for,
 )
-from tests.unit.test_kv_checksum import BLOCKS, Upstream
+from tests.unit.test_kv_checksum import BLOCK_ELEMS, BLOCKS, Upstream
 
 PREFILL = {"do_remote_decode": True}
 KEEPING = {"do_remote_prefill": True, KEEP_HISTORY_KEY: True}  # a decode leg that keeps its blocks for the next turn
@@ -110,7 +110,8 @@ def test_the_sums_land_in_the_params_request_finished_returned_in_the_same_step(
     payload = json.loads(json.dumps(params[KV_SUMS_KEY]))  # JSON-safe: it travels in an HTTP body too
     assert (payload["tp"], payload["block_size"], payload["physical_per_logical"], payload["regions"]) == (2, 16, 1, 2)
     for rank in (0, 1):
-        got, why_not = expected_for(payload, tp=2, rank=rank, block_size=16, physical_per_logical=1, offered=3, blocks=3)
+        got, why_not = expected_for(payload, tp=2, rank=rank, block_size=16, physical_per_logical=1, offered=3, blocks=3,
+                                     kv_heads=2)
         assert why_not is None and (got == sums[rank]).all()
     # A later step's sums never reach an earlier step's params (their output was sent without them).
     scheduler.build_connector_meta(_step())
@@ -136,14 +137,15 @@ def test_a_decode_leg_hands_prefills_sums_to_its_workers_with_the_read():
     ((1, 16, 1), 2, 1, [1]),  # a history cut to its verified prefix (two blocks), the first one cached
     ((1, 16, 1), 3, 4, "4 blocks read of 3 offered, 3 summed"),
     ((1, 16, 1), 4, 2, "2 blocks read of 4 offered, 3 summed"),
-    ((3, 16, 1), 3, 3, "TP / block size"),  # different TP sizes: descriptors do not pair
-    ((1, 32, 1), 3, 3, "TP / block size"),
+    ((3, 16, 1), 3, 3, "no sums from sender rank(s) [1, 2]"),  # a TP 3 sender: all three ranks' sums add up
+    ((1, 32, 1), 3, 3, "block size"),
+    ((1, 16, 1, 4), 3, 3, "not 2 regions of 4 chunk(s)"),  # a payload that does not parse: nothing checked
 ])
 def test_a_reader_checks_only_where_its_blocks_pair_with_the_senders(layout, offered, blocks, columns):
     sums = np.arange(6, dtype=np.int64).reshape(2, 3)
-    payload = PulledSums({"r": {0: sums}}, layout).payload("r")
+    payload = PulledSums({"r": {0: sums}}, layout[:3], parts=(layout[3:] or (1,))[0]).payload("r")
     got, reason = expected_for(payload, tp=1, rank=0, block_size=16, physical_per_logical=1, offered=offered,
-                               blocks=blocks)
+                               blocks=blocks, kv_heads=3)
     if isinstance(columns, list):
         assert reason is None and (got == sums[:, columns]).all()
     else:
@@ -168,7 +170,7 @@ def test_a_decode_leg_keeping_its_history_sums_its_prompts_whole_blocks_and_its_
     assert not hasattr(scheduler.build_connector_meta(_step(cached=[("d", None, 40, 1)])), SUM_BLOCKS_ATTR)
     params = _finish_step(scheduler, request, [7, 8, 9, 10], None)
     got, why_not = expected_for(params[KV_SUMS_KEY], tp=1, rank=0, block_size=16, physical_per_logical=1, offered=2,
-                                blocks=2)
+                                blocks=2, kv_heads=3)
     assert why_not is None and (got == sums).all()
 
 
@@ -213,8 +215,8 @@ def test_a_prefill_leg_reading_history_back_hands_decodes_sums_to_its_workers_an
 
 
 class UpstreamPullWorker(Upstream):
-    def __init__(self, engine_id, seed):
-        super().__init__(engine_id, seed)
+    def __init__(self, engine_id, seed, **tp):
+        super().__init__(engine_id, seed, **tp)
         self.block_size = 16
 
     def start_load_kv(self, metadata):
@@ -285,3 +287,44 @@ def test_decode_reads_unchecked_where_prefill_sent_no_sums_it_can_pair_and_says_
     assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
     decode._recving_metadata["d1"], decode._recving_transfers["d1"] = reading, []
     assert decode._pop_done_transfers(decode._recving_transfers) == {"d1"}
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (1, 4), (2, 4), (4, 2)])
+@pytest.mark.parametrize("corrupt", [None, 0, -1])
+def test_between_different_tp_sizes_each_reader_rank_checks_exactly_its_share(prefill_tp, decode_tp, corrupt):
+    """Pull between different TP sizes: prefill's ranks sum each block in as many chunks as decode's TP
+    has ranks a block of theirs (they know it from their config); a decode rank READs (copies, below,
+    as vLLM's descriptors move them) the KV-head chunks it holds from the prefill ranks that hold them,
+    and checks them against those ranks' sums. A byte wrong in one decode rank's share fails that READ
+    and no other."""
+    prefills = [Worker("prefill", 10 + r, tp_rank=r, world_size=prefill_tp) for r in range(prefill_tp)]
+    decodes = [Worker("decode", 20 + r, tp_rank=r, world_size=decode_tp) for r in range(decode_tp)]
+    summed = None
+    for prefill in prefills:
+        prefill._kv_peer_tp = decode_tp
+        prefill.start_load_kv(SimpleNamespace(reqs_to_recv={}, **{SUM_BLOCKS_ATTR: {"p": [1, 2, 3]}}))
+        mine = prefill.build_connector_worker_meta()
+        summed = mine if summed is None else summed.aggregate(mine)
+    payload = json.loads(json.dumps(summed.payload("p")))
+    elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)  # the chunk one rank pair moves
+    wrong = None if corrupt is None else range(decode_tp)[corrupt]
+    for rank, decode in enumerate(decodes):
+        reading = SimpleNamespace(local_block_ids=[[7, 6, 5]], remote=SimpleNamespace(request_id="p", block_ids=[[1, 2, 3]]))
+        decode.start_load_kv(SimpleNamespace(reqs_to_recv={"d": reading}, **{EXPECTED_ATTR: {"d": payload}}))
+        for p_rank, prefill in enumerate(prefills):
+            if prefill_tp >= decode_tp and p_rank // (prefill_tp // decode_tp) == rank:
+                at = p_rank % (prefill_tp // decode_tp) * elems
+                ours, theirs = slice(at, at + elems), slice(None)
+            elif prefill_tp < decode_tp and rank // (decode_tp // prefill_tp) == p_rank:
+                at = rank % (decode_tp // prefill_tp) * elems
+                ours, theirs = slice(None), slice(at, at + elems)
+            else:
+                continue
+            for mine, src in zip(decode.device_kv_caches.values(), prefill.device_kv_caches.values()):
+                mine[:, [7, 6, 5], ours] = src[:, [1, 2, 3], theirs]
+        if rank == wrong:
+            next(iter(decode.device_kv_caches.values()))[0, 6, 0] += 1.0
+        decode._recving_metadata["d"], decode._recving_transfers["d"] = reading, []
+        done = decode._pop_done_transfers(decode._recving_transfers)
+        failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
+        assert (done, failed) == ((set(), ["d"]) if rank == wrong else ({"d"}, []))
