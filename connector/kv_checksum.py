@@ -23,8 +23,8 @@ Between different TP sizes too (``connector.sum_ranks``): a prefill rank that WR
 decode ranks sums each block in as many chunks and sends each rank its chunk's sums; a decode rank
 that several prefill ranks WRITE to adds up their sums. Checked where block sizes and physical
 blocks per logical block match, with one KV cache group and no host buffer; elsewhere the sums are
-not sent and nothing is checked (logged once). A history read back is checked between equal TP
-sizes only: each decode rank registers its offer alone. Pull mode's READs, a prompt's and a
+not sent and nothing is checked (logged once). A history read back likewise: each decode rank
+registers its offer alone, with the sums of its share, and prefill combines them. Pull mode's READs, a prompt's and a
 history's read back, are checked the same way on landing (``KvSumsCheck``); the sums travel with
 the requests instead (``connector.pull_checksum``).
 
@@ -56,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
 from connector.stages import DecodeKvStamps, KvFailure, send_stamps
-from connector.sum_ranks import parts_for, why_unpaired
+from connector.sum_ranks import expected_for_rank, parts_for, why_unpaired
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -73,6 +73,15 @@ class KvSums(msgspec.Struct, frozen=True):
     regions: int
     sums: bytes  # int64, [regions, blocks], blocks in decode's order: of the chunk of our blocks this rank gets
     producers: int = 1  # prefill ranks that WRITE into each of decode's blocks: their sums add up (sum_ranks)
+
+
+@dataclass
+class _Offered:
+    """Prefill: the sums of a history decode offers, from each decode rank's registration."""
+
+    block_ids: list[int]
+    decode_tp: int
+    by_rank: dict[int, np.ndarray] = field(default_factory=dict)  # decode rank -> [regions, blocks, parts]
 
 
 @dataclass
@@ -315,23 +324,27 @@ class KvChecksums(KvSumsCheck):
         offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
         if offered is None:
             return None
-        column = {block: i for i, block in enumerate(offered[0])}
+        column = {block: i for i, block in enumerate(offered.block_ids)}
         read = list(meta.remote.block_ids[0])
         if len(read) != len(meta.local_physical_block_ids[0]) or any(b not in column for b in read):
             return None  # not the one-to-one READ of offered blocks the sums describe
-        return offered[1][:, [column[b] for b in read]]
+        columns = [column[b] for b in read]
+        expected, _ = expected_for_rank({rank: sums[:, columns] for rank, sums in offered.by_rank.items()},
+                                        sender_tp=offered.decode_tp, reader_tp=self.world_size, reader_rank=self.tp_rank)
+        return expected  # None where a decode rank's offer did not come: nothing to check against
 
     # ---------------------------------------------------------------- decode: sums of the history it offers
     def _do_send_reg_notif(self, req_id, reg_data):
         offer = reg_data.get(OFFER_KEY)
-        # Sums of a history are paired one to one only (each decode rank registers alone).
-        if offer and offer.get("block_ids") and reg_data.get("remote_tp_size", 1) == self.world_size:
+        if offer and offer.get("block_ids"):
             try:
                 ids = self._logical_to_kernel_block_ids((list(offer["block_ids"]),),
                                                         self._physical_blocks_per_logical_kv_block)[0]
-                sums = self.kv_sums(ids)
+                # In as many chunks a block as prefill has ranks a block of ours (connector.sum_ranks).
+                parts = parts_for(self.world_size, int(reg_data.get("remote_tp_size") or 1))
+                sums = self.kv_part_sums(ids, parts)
                 if sums is not None:
-                    offer["sums"], offer["sum_regions"] = sums.astype(np.int64).tobytes(), sums.shape[0]
+                    offer.update(sums=sums.tobytes(), sum_regions=sums.shape[0], sum_parts=parts, sum_rank=self.tp_rank)
             except Exception:  # the offer stands without its sums
                 logger.exception("sums of %s's history offer not computed", req_id)
         return super()._do_send_reg_notif(req_id, reg_data)
@@ -341,14 +354,28 @@ class KvChecksums(KvSumsCheck):
         try:
             registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
             offer = registration.get(OFFER_KEY) or {}
-            if offer.get("sums") and registration.get("decode_tp_size") == self.world_size:
-                sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1)
-                # Written here (the writer thread), popped by the main thread: single dict operations only.
-                self._expected("_rendezvous_history_sums")[_history_key(registration["request_id"])] = (
-                    list(offer["block_ids"]), sums)
+            if offer.get("sums"):
+                self._keep_offered_sums(registration, offer)
         except Exception:  # vLLM's handler below says what is wrong with the payload
             pass
         super()._handle_push_reg_notif(notif)
+
+    def _keep_offered_sums(self, registration: dict, offer: dict) -> None:
+        """Each decode rank registers alone, with the sums of its own share of the offered blocks."""
+        decode_tp, topo = int(registration.get("decode_tp_size") or 1), self.transfer_topo
+        why_not = why_unpaired(decode_tp, self.world_size, topo.total_num_kv_heads, not topo.is_mla)
+        if why_not:
+            if not self.__dict__.get("_rendezvous_unchecked_history"):
+                self.__dict__["_rendezvous_unchecked_history"] = True
+                logger.warning("KV checksums off for histories read back from decode: %s; logged once", why_not)
+            return
+        sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1, offer.get("sum_parts", 1))
+        # Written here (the writer thread), popped by the main thread: single dict operations only.
+        kept, key = self._expected("_rendezvous_history_sums"), _history_key(registration["request_id"])
+        offered = kept.get(key)
+        if offered is None or offered.block_ids != list(offer["block_ids"]):
+            offered = kept[key] = _Offered(list(offer["block_ids"]), decode_tp)
+        offered.by_rank[int(offer.get("sum_rank", 0))] = sums
 
     def build_connector_worker_meta(self):
         meta = super().build_connector_worker_meta()

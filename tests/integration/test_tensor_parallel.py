@@ -20,6 +20,8 @@ import yaml
 from tests.integration.cases import (CASE_BY_NAME, assert_kv_deadline_recomputes, assert_kv_travelled, assert_token_identical,
                                      assert_wrong_kv_is_caught)
 from tests.integration.conftest import Client, KvFaultSwitch, running_app, with_args
+from tests.integration.conversations import (Conversation, assert_corrupted_history_is_recomputed, settled_ours, user_text,
+                                             wait_ours)
 
 BASE = "configs/local-cpu.yaml"
 # (mode, prefill TP, decode TP)
@@ -81,3 +83,17 @@ def test_answers_are_token_identical_and_the_kv_moves_once_per_rank_pair(tp_clie
     # by every decode rank, decode recomputes, and the answer is still identical. The clean requests
     # above raised no alarm (the fixture counts the log's mismatches at the end).
     assert_wrong_kv_is_caught(tp_client, reference, "shift")
+
+
+@pytest.mark.parametrize("tp_client", [COMBINATIONS[0], COMBINATIONS[1]], ids=_id, indirect=True)
+def test_a_conversations_history_is_read_back_and_checked_between_tp_sizes(tp_client, reference):
+    """Push: prefill READs a turn's history back from decode whatever the two TP sizes; each decode rank
+    offers the sums of its share, and each prefill rank checks the head chunks it READ against them.
+    A clean read-back is reused (and raises no alarm: the fixture counts), a corrupted one recomputed."""
+    conversation = Conversation(f"tp-history-{_id(tp_client.combination)}")
+    conversation.say(tp_client, user_text(1, 45))
+    before = settled_ours(tp_client)
+    conversation.say(tp_client, user_text(2, 10))
+    reused = lambda c: c["conversation_turns", "reused"] - before["conversation_turns", "reused"]  # noqa: E731
+    assert reused(wait_ours(tp_client, lambda c: reused(c) >= 1)) == 1
+    assert_corrupted_history_is_recomputed(tp_client, reference, conversation, user_text(3, 10))

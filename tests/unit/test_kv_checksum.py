@@ -316,3 +316,45 @@ def test_a_block_is_summed_in_chunks_that_add_up_to_its_sum():
     cache = next(iter(worker.device_kv_caches.values()))
     assert chunks[0, 0, 1] == int(cache[0, 3, 16:32].contiguous().view(torch.int64).sum())
     assert worker.kv_part_sums(ids, 3) is None  # 64 float32 a block: not three equal chunks of whole words
+
+
+@pytest.mark.parametrize("decode_tp, prefill_tp", [(1, 2), (2, 1), (1, 4), (4, 2)])
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_history_read_back_between_different_tp_sizes_is_checked_against_every_decode_ranks_offer(
+        decode_tp, prefill_tp, corrupt):
+    """D->P between TP sizes: every decode rank registers alone, with the sums of its share of the
+    offered blocks (in as many chunks as prefill has ranks a block of its); each prefill rank READs
+    the head chunks it holds from the decode ranks that hold them (copied below as vLLM's descriptors
+    move them) and checks them against those ranks' sums."""
+    from connector.push_reuse import OFFER_KEY
+    from connector.side_notifs import HISTORY_READ_ID
+
+    decodes = [Worker("decode", seed=50 + r, tp_rank=r, world_size=decode_tp) for r in range(decode_tp)]
+    prefills = [Worker("prefill", seed=60 + r, tp_rank=r, world_size=prefill_tp) for r in range(prefill_tp)]
+    for decode in decodes:
+        decode._do_send_reg_notif("chatcmpl-rdv-6-0a1b2c3d", {
+            "request_id": "chatcmpl-rdv-6-0a1b2c3d", "decode_tp_size": decode_tp, "remote_tp_size": prefill_tp,
+            OFFER_KEY: {"block_ids": [3, 1, 4], "num_tokens": 48}})
+    elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)
+    rid = "chatcmpl-rdv-6-9f8e7d6c"
+    for rank, prefill in enumerate(prefills):
+        for decode in decodes:
+            prefill._handle_push_reg_notif(decode.registrations_sent[0])
+            if prefill_tp <= decode_tp and decode.tp_rank // (decode_tp // prefill_tp) == rank:
+                at = decode.tp_rank % (decode_tp // prefill_tp) * elems
+                ours, theirs = slice(at, at + elems), slice(None)
+            elif prefill_tp > decode_tp and rank // (prefill_tp // decode_tp) == decode.tp_rank:
+                at = rank % (prefill_tp // decode_tp) * elems
+                ours, theirs = slice(None), slice(at, at + elems)
+            else:
+                continue
+            for mine, src in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+                mine[:, [6, 7], ours] = src[:, [3, 1], theirs]
+        if corrupt and rank == prefill_tp - 1:
+            next(iter(prefill.device_kv_caches.values()))[1, 7, 0] += 1.0
+        prefill._recving_metadata[rid] = SimpleNamespace(
+            local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
+            remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
+        prefill._recving_transfers[rid] = []
+        done = prefill._pop_done_transfers(prefill._recving_transfers)
+        assert done == (set() if corrupt and rank == prefill_tp - 1 else {rid})
