@@ -46,7 +46,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector.kv_checksum import KvSumsCheck, injected_fault
-from connector.sum_ranks import expected_for_rank, parts_for, why_unpaired
+from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
 from connector.params import (KEEP_HISTORY_KEY, KV_SUMS_KEY, READ_PLANNED_KEY, REUSE_REPORT_KEY, ReuseReason,
                               ReuseReport, is_decode_leg, is_prefill_leg)
 
@@ -105,8 +105,8 @@ def expected_for(payload: dict[str, Any], *, tp: int, rank: int, block_size: int
         return None, "no sums from the remote ranks this one reads"
     offered *= physical_per_logical
     by_rank = {}
-    for sender_rank, text in enumerate(encoded):
-        if text:
+    for sender_rank in sender_ranks(sender_tp, tp, rank):  # decode only the ranks this one reads
+        if text := encoded[sender_rank]:
             try:
                 sums = np.frombuffer(base64.b64decode(text), dtype=np.int64).reshape(regions, -1, parts)
             except ValueError:

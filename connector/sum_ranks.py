@@ -43,24 +43,30 @@ def why_unpaired(sender_tp: int, reader_tp: int, kv_heads: int, split_heads: boo
     return None
 
 
+def sender_ranks(sender_tp: int, reader_tp: int, reader_rank: int) -> range:
+    """The sender ranks whose sums a reader rank's expected sums are made of."""
+    if reader_tp <= sender_tp:
+        k = sender_tp // reader_tp
+        return range(reader_rank * k, reader_rank * k + k)
+    rank = reader_rank // (reader_tp // sender_tp)
+    return range(rank, rank + 1)
+
+
 def expected_for_rank(by_rank: Mapping[int, np.ndarray], *, sender_tp: int, reader_tp: int,
                       reader_rank: int) -> tuple[np.ndarray | None, str | None]:
     """A reader rank's expected [regions, blocks] sums from the senders' [regions, blocks, parts]
     sums by sender rank (only the ranks it reads from are needed), or (None, why not)."""
+    ranks = sender_ranks(sender_tp, reader_tp, reader_rank)
+    missing = [r for r in ranks if r not in by_rank]
+    if missing:
+        return None, f"no sums from sender rank(s) {missing}"
     if reader_tp <= sender_tp:
-        k = sender_tp // reader_tp
-        ranks = range(reader_rank * k, reader_rank * k + k)
-        missing = [r for r in ranks if r not in by_rank]
-        if missing:
-            return None, f"no sums from sender rank(s) {missing}"
         shapes = {by_rank[r].shape[:2] for r in ranks}
         if len(shapes) != 1:
             return None, f"sender ranks summed different shapes {sorted(shapes)}"
         return np.sum([by_rank[r].sum(axis=2) for r in ranks], axis=0, dtype=np.int64), None
     k = reader_tp // sender_tp
-    sums = by_rank.get(reader_rank // k)
-    if sums is None:
-        return None, f"no sums from sender rank {reader_rank // k}"
+    sums = by_rank[ranks[0]]
     parts = sums.shape[2]
     if parts % k:
         return None, f"the sender summed {parts} chunk(s) a block, {k} needed"

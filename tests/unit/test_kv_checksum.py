@@ -246,6 +246,19 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     assert not prefill.__dict__["_rendezvous_history_sums"]  # the offer's sums were found, and used once
 
 
+def chunks_moved(sender_tp: int, sender_rank: int, reader_tp: int, reader_rank: int) -> tuple[slice, slice] | None:
+    """(the sender's slice, the reader's slice) of a block that vLLM moves between these two ranks (its
+    KV-head chunks, connector.sum_ranks), or None if it moves nothing between them."""
+    elems = BLOCK_ELEMS // max(sender_tp, reader_tp)
+    if sender_tp >= reader_tp:  # the sender's whole block into chunk (sender rank % k) of the reader's
+        k = sender_tp // reader_tp
+        at = sender_rank % k * elems
+        return (slice(None), slice(at, at + elems)) if sender_rank // k == reader_rank else None
+    k = reader_tp // sender_tp  # chunk (reader rank % k) of the sender's block into the reader's whole block
+    at = reader_rank % k * elems
+    return (slice(at, at + elems), slice(None)) if reader_rank // k == sender_rank else None
+
+
 def _receive(decode, request_id, remote, notifs):
     """Decode's side of a push: the sums notifications its agent got, then the receive's check."""
     for notif in notifs:
@@ -273,15 +286,8 @@ def test_between_different_tp_sizes_each_decode_rank_checks_exactly_its_share(pr
     agents = {f"decode-agent-{r}": r for r in range(decode_tp)}
     for prefill in prefills:
         prefill._remote_agents = {"decode": {(0, r): name for name, r in agents.items()}}
-        elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)  # the chunk one rank pair moves
-        if prefill_tp >= decode_tp:  # our whole block into chunk (our rank % k) of one decode rank's
-            k = prefill_tp // decode_tp
-            at = (prefill.tp_rank % k) * elems
-            prefill.targets = [(decodes[prefill.tp_rank // k], slice(None), slice(at, at + elems))]
-        else:  # chunk j of our block into the j-th decode rank's whole block
-            k = decode_tp // prefill_tp
-            prefill.targets = [(decodes[prefill.tp_rank * k + j], slice(j * elems, (j + 1) * elems), slice(None))
-                               for j in range(k)]
+        prefill.targets = [(decode, *moved) for decode in decodes
+                           if (moved := chunks_moved(prefill_tp, prefill.tp_rank, decode_tp, decode.tp_rank))]
     remote = (6, 5, 0)
     meta = lambda: SimpleNamespace(local_physical_block_ids=([1, 2, 3, 4],),  # noqa: E731
                                    remote=SimpleNamespace(engine_id="decode", request_id="rdv-7", block_ids=(list(remote),)))
@@ -335,21 +341,13 @@ def test_a_history_read_back_between_different_tp_sizes_is_checked_against_every
         decode._do_send_reg_notif("chatcmpl-rdv-6-0a1b2c3d", {
             "request_id": "chatcmpl-rdv-6-0a1b2c3d", "decode_tp_size": decode_tp, "remote_tp_size": prefill_tp,
             OFFER_KEY: {"block_ids": [3, 1, 4], "num_tokens": 48}})
-    elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)
     rid = "chatcmpl-rdv-6-9f8e7d6c"
     for rank, prefill in enumerate(prefills):
         for decode in decodes:
             prefill._handle_push_reg_notif(decode.registrations_sent[0])
-            if prefill_tp <= decode_tp and decode.tp_rank // (decode_tp // prefill_tp) == rank:
-                at = decode.tp_rank % (decode_tp // prefill_tp) * elems
-                ours, theirs = slice(at, at + elems), slice(None)
-            elif prefill_tp > decode_tp and rank // (prefill_tp // decode_tp) == decode.tp_rank:
-                at = rank % (prefill_tp // decode_tp) * elems
-                ours, theirs = slice(None), slice(at, at + elems)
-            else:
-                continue
-            for mine, src in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
-                mine[:, [6, 7], ours] = src[:, [3, 1], theirs]
+            if moved := chunks_moved(decode_tp, decode.tp_rank, prefill_tp, rank):
+                for mine, src in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+                    mine[:, [6, 7], moved[1]] = src[:, [3, 1], moved[0]]
         if corrupt and rank == prefill_tp - 1:
             next(iter(prefill.device_kv_caches.values()))[1, 7, 0] += 1.0
         prefill._recving_metadata[rid] = SimpleNamespace(

@@ -24,7 +24,7 @@ from connector.pull_checksum import (
     PullSumsWorker,
     expected_for,
 )
-from tests.unit.test_kv_checksum import BLOCK_ELEMS, BLOCKS, Upstream
+from tests.unit.test_kv_checksum import BLOCKS, Upstream, chunks_moved
 
 PREFILL = {"do_remote_decode": True}
 KEEPING = {"do_remote_prefill": True, KEEP_HISTORY_KEY: True}  # a decode leg that keeps its blocks for the next turn
@@ -306,22 +306,14 @@ def test_between_different_tp_sizes_each_reader_rank_checks_exactly_its_share(pr
         mine = prefill.build_connector_worker_meta()
         summed = mine if summed is None else summed.aggregate(mine)
     payload = json.loads(json.dumps(summed.payload("p")))
-    elems = BLOCK_ELEMS // max(prefill_tp, decode_tp)  # the chunk one rank pair moves
     wrong = None if corrupt is None else range(decode_tp)[corrupt]
     for rank, decode in enumerate(decodes):
         reading = SimpleNamespace(local_block_ids=[[7, 6, 5]], remote=SimpleNamespace(request_id="p", block_ids=[[1, 2, 3]]))
         decode.start_load_kv(SimpleNamespace(reqs_to_recv={"d": reading}, **{EXPECTED_ATTR: {"d": payload}}))
-        for p_rank, prefill in enumerate(prefills):
-            if prefill_tp >= decode_tp and p_rank // (prefill_tp // decode_tp) == rank:
-                at = p_rank % (prefill_tp // decode_tp) * elems
-                ours, theirs = slice(at, at + elems), slice(None)
-            elif prefill_tp < decode_tp and rank // (decode_tp // prefill_tp) == p_rank:
-                at = rank % (decode_tp // prefill_tp) * elems
-                ours, theirs = slice(None), slice(at, at + elems)
-            else:
-                continue
-            for mine, src in zip(decode.device_kv_caches.values(), prefill.device_kv_caches.values()):
-                mine[:, [7, 6, 5], ours] = src[:, [1, 2, 3], theirs]
+        for prefill in prefills:
+            if moved := chunks_moved(prefill_tp, prefill.tp_rank, decode_tp, rank):
+                for mine, src in zip(decode.device_kv_caches.values(), prefill.device_kv_caches.values()):
+                    mine[:, [7, 6, 5], moved[1]] = src[:, [1, 2, 3], moved[0]]
         if rank == wrong:
             next(iter(decode.device_kv_caches.values()))[0, 6, 0] += 1.0
         decode._recving_metadata["d"], decode._recving_transfers["d"] = reading, []
