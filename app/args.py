@@ -233,9 +233,11 @@ class HandoffArgs(_Strict):
         "replica drops the handoff and prefills the prompt itself (counted as prefill path `fallback`)."
     )
     kv_timeout_s: float = Field(
-        60.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
+        45.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
         "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
-        f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s."
+        f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s. It is the only rung left when "
+        "prefill answered but its WRITE never comes (its node was lost in between), so keep it below "
+        "ingress.queue_deadline_s, or the queue deadline's 503 comes first."
     )
     read_timeout_s: float = Field(
         20.0, gt=0, description="Pull: a decode engine gives each READ of prefill's KV this long from posting it, then "
@@ -357,6 +359,22 @@ class AppArgs(_Strict):
     def engine_kwargs_for(self, role: Role) -> dict[str, Any]:
         """The role's engine arguments as configured (the engines get ``llm_configs``' version)."""
         return {**self.engine_kwargs, **self.role(role).engine_kwargs}
+
+    def deadline_advice(self) -> list[str]:
+        """Deadlines that let the queue deadline's 503 come before decode's own recompute: valid (a short
+        queue deadline is a choice), but worth a warning at startup."""
+        deadline = self.ingress.queue_deadline_s
+        if deadline is None:
+            return []
+        h = self.handoff
+        if self.mode is TransferMode.PUSH and h.kv_timeout_s >= deadline:
+            return [f"handoff.kv_timeout_s ({h.kv_timeout_s:g}) is not below ingress.queue_deadline_s ({deadline:g}): a push "
+                    "request whose KV never comes (prefill lost after it answered) gets a 503 instead of decode's recompute"]
+        if self.mode is TransferMode.PULL and h.prefill_timeout_s + h.read_timeout_s >= deadline:
+            return [f"handoff.prefill_timeout_s + read_timeout_s ({h.prefill_timeout_s + h.read_timeout_s:g}) is not below "
+                    f"ingress.queue_deadline_s ({deadline:g}): a pull request whose READ stalls gets a 503 instead of "
+                    "decode's recompute"]
+        return []
 
     @property
     def upstream_pull_history(self) -> bool:

@@ -8,6 +8,7 @@ once more (``app.late_binding``).
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ray import serve
@@ -25,9 +26,13 @@ from app.readiness import DECODE_PREFIX, PREFILL_PREFIX, ReadinessProbe
 from app.servers import DecodeServer, PrefillServer
 from connector.ports import Role
 
+logger = logging.getLogger("ray.serve.rendezvous.builder")
+
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = AppArgs.parse(args)
+    for advice in app_args.deadline_advice():
+        logger.warning("%s", advice)
     source = resolve_model_source(app_args.model.source)
     prefill_config = LLMConfig.model_validate(llm_config(app_args, Role.PREFILL, source))
     decode_config = LLMConfig.model_validate(llm_config(app_args, Role.DECODE, source))

@@ -238,6 +238,22 @@ def test_the_engine_deadline_must_outlast_the_orchestrators():
         AppArgs.parse({"handoff": {"prefill_timeout_s": 60, "kv_timeout_s": 60}})
 
 
+@pytest.mark.parametrize("args, warned", [
+    ({}, None),  # the defaults: every rung comes before the queue deadline
+    ({"mode": "pull"}, None),
+    ({"ingress": {"queue_deadline_s": None}, "handoff": {"kv_timeout_s": 600}}, None),
+    ({"handoff": {"kv_timeout_s": 60}}, "kv_timeout_s (60) is not below ingress.queue_deadline_s (60)"),
+    ({"mode": "pull", "handoff": {"kv_timeout_s": 60}}, None),  # push's deadline means nothing in pull
+    ({"mode": "pull", "handoff": {"read_timeout_s": 30}}, "read_timeout_s (60) is not below ingress.queue_deadline_s (60)"),
+    ({"ingress": {"queue_deadline_s": 40, "ttft_slo_s": 10}}, "kv_timeout_s (45) is not below"),
+])
+def test_deadlines_that_let_the_queue_deadline_pre_empt_decodes_recompute_are_warned_of(args, warned):
+    from app.args import AppArgs
+
+    advice = AppArgs.parse(args).deadline_advice()
+    assert advice == [] if warned is None else (len(advice) == 1 and warned in advice[0]), advice
+
+
 class _PrefillStream:
     """A pull-mode prefill response: one answer carrying where its KV is."""
 
