@@ -20,9 +20,12 @@ import json
 import random
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,25 @@ async def _one(session, path: str, body: dict, index: int, stalls: StallClock, o
     return Outcome(index, status, latency, retry_after, response, first, stalls.worst_since(started), sent)
 
 
+async def poisson_arrivals(rate: float, seconds: float, rng: random.Random,
+                           launch: Callable[[int, StallClock, float], Awaitable[T]]) -> list[T]:
+    """``launch(index, stalls, start)`` at Poisson arrivals of ``rate`` per second for ``seconds``
+    (``start``: the first arrival, monotonic), while a :class:`StallClock` watches this loop; every
+    launched request awaited, in arrival order."""
+    tasks: list[asyncio.Task] = []
+    stalls = StallClock()
+    clock = asyncio.create_task(stalls.run())
+    start = next_at = time.monotonic()
+    try:
+        while next_at < start + seconds:
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            tasks.append(asyncio.create_task(launch(len(tasks), stalls, start)))
+            next_at += rng.expovariate(rate)
+        return list(await asyncio.gather(*tasks))
+    finally:
+        clock.cancel()
+
+
 async def offer(
     base_url: str, path: str, template: dict, rate: float, seconds: float, seed: int = 0, first_index: int = 0
 ) -> list[Outcome]:
@@ -95,21 +117,13 @@ async def offer(
     connections open (measured: 429s read 19 s late at p99)."""
     import aiohttp
 
-    rng, tasks = random.Random(seed), []
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        stalls = StallClock()
-        clock = asyncio.create_task(stalls.run())
-        start = next_at = time.monotonic()
-        while next_at < start + seconds:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            index = first_index + len(tasks)
-            tasks.append(asyncio.create_task(_one(session, path, body_for(template, index), index, stalls, start)))
-            next_at += rng.expovariate(rate)
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            clock.cancel()
+        def launch(i: int, stalls: StallClock, start: float):
+            index = first_index + i
+            return _one(session, path, body_for(template, index), index, stalls, start)
+
+        return await poisson_arrivals(rate, seconds, random.Random(seed), launch)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.openloop import StallClock
+from bench.openloop import StallClock, poisson_arrivals
 from bench.sweep import log, running_app
 
 ARMS = ("fixed", "adaptive")
@@ -91,22 +91,13 @@ async def _one(session, body: dict, load: OverloadLoad, arm: str, factor: float,
 async def offer(url: str, model: str, load: OverloadLoad, arm: str, factor: float, rate: float) -> list[Outcome]:
     import aiohttp
 
-    rng, tasks = random.Random(load.seed + int(factor * 100)), []
+    rng = random.Random(load.seed + int(factor * 100))
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(url, connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
-        stalls = StallClock()
-        clock = asyncio.create_task(stalls.run())
-        t0 = next_at = time.monotonic()
-        while next_at < t0 + load.seconds:
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            index = len(tasks)
-            tasks.append(asyncio.create_task(_one(session, _body(model, load, rng, index), load, arm, factor, index, t0,
-                                                  stalls)))
-            next_at += rng.expovariate(rate)
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            clock.cancel()
+        def launch(index: int, stalls: StallClock, t0: float):
+            return _one(session, _body(model, load, rng, index), load, arm, factor, index, t0, stalls)
+
+        return await poisson_arrivals(rate, load.seconds, rng, launch)
 
 
 async def sustained_rate(url: str, model: str, load: OverloadLoad) -> float:
