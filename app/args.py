@@ -332,6 +332,14 @@ class AppArgs(_Strict):
                     self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))
                 except ValueError as e:
                     problems.append(str(e))
+        if not problems:
+            prefill_tp, decode_tp = (self.engine_kwargs_for(role).get("tensor_parallel_size", 1)
+                                     for role in (Role.PREFILL, Role.DECODE))
+            if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+                problems.append(
+                    f"prefill and decode tensor_parallel_size ({prefill_tp} and {decode_tp}): one must divide the other; "
+                    "vLLM's NIXL connector maps KV heads between ranks only then (it asserts so at the first handshake)"
+                )
         if self.conversations.pull_history is PullHistory.UPSTREAM and (self.mode is not TransferMode.PULL or not self.conversations.enabled):
             problems.append(
                 "conversations.pull_history: upstream is vLLM's pull-mode read-back of a conversation's history; it needs "

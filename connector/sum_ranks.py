@@ -12,9 +12,9 @@ block sums, and a reader rank that holds a ``1/k`` chunk of a sender rank's bloc
 chunk's sum, which the sender must have summed apart: it sums every block in ``parts_for(...)``
 chunks. Equal TP sizes are the case ``k = 1``, with nothing to add and no chunk to cut.
 
-Not covered (``why_unpaired`` says so): TP sizes neither of which divides the other, more ranks
-than KV heads (ranks then share heads and vLLM reads each head once), and MLA, whose latent is
-the same on every rank.
+Not covered (``why_unpaired`` says so): TP sizes neither of which divides the other (vLLM cannot
+move KV between them, and app.args refuses them), more ranks than KV heads (ranks then share heads
+and vLLM reads each head once), and MLA, whose latent is the same on every rank.
 """
 
 from __future__ import annotations

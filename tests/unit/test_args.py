@@ -354,3 +354,15 @@ def test_config_file_parses(path: Path):
     for role in ("prefill", "decode"):
         if "replicas" in raw.get(role, {}):
             assert args.role(Role(role)).replicas == raw[role]["replicas"]
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp, ok", [
+    (1, 1, True), (3, 1, True), (1, 3, True), (2, 4, True), (4, 2, True), (2, 3, False), (6, 4, False),
+])
+def test_prefill_and_decode_tp_sizes_must_divide_one_another(prefill_tp, decode_tp, ok):
+    raw = {role: {"engine_kwargs": {"tensor_parallel_size": tp}} for role, tp in (("prefill", prefill_tp), ("decode", decode_tp))}
+    if ok:
+        assert AppArgs.parse(raw)
+    else:
+        with pytest.raises(ValueError, match=rf"\({prefill_tp} and {decode_tp}\): one must divide the other"):
+            AppArgs.parse(raw)
