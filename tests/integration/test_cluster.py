@@ -90,8 +90,8 @@ def test_a_lost_prefill_node_loses_no_request_and_prefill_returns_with_the_node(
     being prefilled there: every request, and one sent during the outage, is answered correctly by
     decode prefilling it itself: the ladder's first rung, or its second for a short prompt whose
     prefill answered before its node went but whose WRITE never came (none past those deadlines plus
-    its own compute, and before the queue deadline). When the node rejoins, Serve places a prefill replica on it and requests are
-    disaggregated again."""
+    its own compute, and before the queue deadline). When the node rejoins, Serve places a prefill
+    replica on it and requests are disaggregated again."""
     plan = cluster.plan
     old_prefill = _healthy(plan, "Prefill")
     assert len(old_prefill) == 1, old_prefill

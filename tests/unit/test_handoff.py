@@ -251,7 +251,10 @@ def test_deadlines_that_let_the_queue_deadline_pre_empt_decodes_recompute_are_wa
     from app.args import AppArgs
 
     advice = AppArgs.parse(args).deadline_advice()
-    assert advice == [] if warned is None else (len(advice) == 1 and warned in advice[0]), advice
+    if warned is None:
+        assert advice == []
+    else:
+        assert len(advice) == 1 and warned in advice[0], advice
 
 
 class _PrefillStream:
