@@ -313,10 +313,11 @@ class AppArgs(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "AppArgs":
-        problems = []
+        problems, tp = [], {}
         for role in Role:
             args = self.role(role)
             kwargs = self.engine_kwargs_for(role)
+            tp[role] = kwargs.get("tensor_parallel_size", 1)
             for key in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size"):
                 value = kwargs.get(key, 1)
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -332,14 +333,11 @@ class AppArgs(_Strict):
                     self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))
                 except ValueError as e:
                     problems.append(str(e))
-        if not problems:
-            prefill_tp, decode_tp = (self.engine_kwargs_for(role).get("tensor_parallel_size", 1)
-                                     for role in (Role.PREFILL, Role.DECODE))
-            if max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
-                problems.append(
-                    f"prefill and decode tensor_parallel_size ({prefill_tp} and {decode_tp}): one must divide the other; "
-                    "vLLM's NIXL connector maps KV heads between ranks only then (it asserts so at the first handshake)"
-                )
+        if not problems and max(tp.values()) % min(tp.values()):
+            problems.append(
+                f"prefill and decode tensor_parallel_size ({tp[Role.PREFILL]} and {tp[Role.DECODE]}): one must divide the other; "
+                "vLLM's NIXL connector maps KV heads between ranks only then (it asserts so at the first handshake)"
+            )
         if self.conversations.pull_history is PullHistory.UPSTREAM and (self.mode is not TransferMode.PULL or not self.conversations.enabled):
             problems.append(
                 "conversations.pull_history: upstream is vLLM's pull-mode read-back of a conversation's history; it needs "
@@ -368,21 +366,20 @@ class AppArgs(_Strict):
         """The role's engine arguments as configured (the engines get ``llm_configs``' version)."""
         return {**self.engine_kwargs, **self.role(role).engine_kwargs}
 
-    def deadline_advice(self) -> list[str]:
-        """Deadlines that let the queue deadline's 503 come before decode's own recompute: valid (a short
-        queue deadline is a choice), but worth a warning at startup."""
-        deadline = self.ingress.queue_deadline_s
+    def deadline_advice(self) -> str | None:
+        """Why the queue deadline's 503 may come before decode's own recompute, if it may: a valid config
+        (a short queue deadline is a choice), but worth a warning at startup."""
+        deadline, h = self.ingress.queue_deadline_s, self.handoff
         if deadline is None:
-            return []
-        h = self.handoff
+            return None
         if self.mode is TransferMode.PUSH and h.kv_timeout_s >= deadline:
-            return [f"handoff.kv_timeout_s ({h.kv_timeout_s:g}) is not below ingress.queue_deadline_s ({deadline:g}): a push "
-                    "request whose KV never comes (prefill lost after it answered) gets a 503 instead of decode's recompute"]
+            return (f"handoff.kv_timeout_s ({h.kv_timeout_s:g}) is not below ingress.queue_deadline_s ({deadline:g}): a push "
+                    "request whose KV never comes (prefill lost after it answered) gets a 503 instead of decode's recompute")
         if self.mode is TransferMode.PULL and h.prefill_timeout_s + h.read_timeout_s >= deadline:
-            return [f"handoff.prefill_timeout_s + read_timeout_s ({h.prefill_timeout_s + h.read_timeout_s:g}) is not below "
+            return (f"handoff.prefill_timeout_s + read_timeout_s ({h.prefill_timeout_s + h.read_timeout_s:g}) is not below "
                     f"ingress.queue_deadline_s ({deadline:g}): a pull request whose READ stalls gets a 503 instead of "
-                    "decode's recompute"]
-        return []
+                    "decode's recompute")
+        return None
 
     @property
     def upstream_pull_history(self) -> bool:

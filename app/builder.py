@@ -31,7 +31,7 @@ logger = logging.getLogger("ray.serve.rendezvous.builder")
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
     app_args = AppArgs.parse(args)
-    for advice in app_args.deadline_advice():
+    if advice := app_args.deadline_advice():
         logger.warning("%s", advice)
     source = resolve_model_source(app_args.model.source)
     prefill_config = LLMConfig.model_validate(llm_config(app_args, Role.PREFILL, source))

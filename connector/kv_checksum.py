@@ -186,6 +186,13 @@ class KvSumsCheck:
         return torch.stack([torch.cat([region[start:start + n].reshape(n, parts, -1).sum(dim=2) for start, n in runs])
                             for region in regions]).cpu().numpy()
 
+    def _warn_once(self, what: object, message: str, *args) -> None:
+        """A warning logged once per worker for ``what``: why a kind of transfer goes unchecked (it stays so)."""
+        warned = self.__dict__.setdefault("_rendezvous_warned", set())
+        if what not in warned:
+            warned.add(what)
+            logger.warning(message, *args)
+
     def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
         """Sums awaiting their receive, by request (pushes, pulls) or turn (history reads); the oldest dropped."""
         expected = self.__dict__.setdefault(name, OrderedDict())
@@ -266,10 +273,8 @@ class KvChecksums(KvSumsCheck):
         remote = meta.remote
         targets, why_not = self._sum_targets(meta)
         if why_not:
-            unchecked = self.__dict__.setdefault("_rendezvous_unchecked_engines", set())
-            if remote.engine_id not in unchecked:
-                unchecked.add(remote.engine_id)
-                logger.warning("KV checksums off for pushes to engine %s: %s", remote.engine_id, why_not)
+            self._warn_once(("push", remote.engine_id), "KV checksums off for pushes to engine %s: %s",
+                            remote.engine_id, why_not)
             return
         # Decode allocated only what it did not have cached: the blocks pair from the end.
         wanted = len(remote.block_ids[0]) * self._physical_blocks_per_logical_kv_block
@@ -365,9 +370,7 @@ class KvChecksums(KvSumsCheck):
         decode_tp, topo = int(registration.get("decode_tp_size") or 1), self.transfer_topo
         why_not = why_unpaired(decode_tp, self.world_size, topo.total_num_kv_heads, not topo.is_mla)
         if why_not:
-            if not self.__dict__.get("_rendezvous_unchecked_history"):
-                self.__dict__["_rendezvous_unchecked_history"] = True
-                logger.warning("KV checksums off for histories read back from decode: %s; logged once", why_not)
+            self._warn_once("history", "KV checksums off for histories read back from decode: %s; logged once", why_not)
             return
         sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1, offer.get("sum_parts", 1))
         # Written here (the writer thread), popped by the main thread: single dict operations only.

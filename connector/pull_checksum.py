@@ -250,9 +250,8 @@ class PullSumsWorker(KvSumsCheck):
                 self._expected()[req_id] = expected
                 if payload.get(READ_BACK):
                     self._expected("_rendezvous_history_reads")[req_id] = True
-            elif why_not and not self.__dict__.get("_rendezvous_unchecked_logged"):
-                self.__dict__["_rendezvous_unchecked_logged"] = True
-                logger.warning("KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
+            elif why_not:
+                self._warn_once("pull", "KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
         return super().start_load_kv(metadata)
 
     def _reading_history(self, req_id: str, meta) -> bool:
