@@ -160,9 +160,11 @@ class IngressArgs(_Strict):
         "Set it to your SLO; 30 s is a common client timeout."
     )
     queue_deadline_s: float | None = Field(
-        60.0, gt=0, description="A request whose first token is not out this long after it was admitted is answered 503 "
-        "with Retry-After and aborted on every engine (streams: no first chunk at the ingress; whole answers: the decode "
-        "replica asks its engine, app/queue_deadline.py). A request that started runs to its end. null: no deadline."
+        60.0, gt=0, description="How long an admitted request may wait: one whose first token is not out this long "
+        "after admission, plus the time its own prompt takes to compute (handoff.deadline_margin + 1 times its "
+        "expected prefill, app/deadlines.py), is answered 503 with Retry-After and aborted on every engine (streams: no "
+        "first chunk at the ingress; whole answers: the decode replica asks its engine, app/queue_deadline.py). A "
+        "request that started runs to its end. null: no deadline."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 without an estimate, and of a 503 at the queue deadline.")
     max_body_bytes: int = Field(8 << 20, ge=1024, description="Larger request bodies get 413.")
@@ -227,23 +229,41 @@ class RoutingArgs(_Strict):
 
 
 class HandoffArgs(_Strict):
+    """Each deadline of the fallback ladder is sized to the request's own work (app/deadlines.py): its prompt, and
+    the prompt tokens queued ahead of it on its prefill replica, at the prefill cost the decode replica measured,
+    times ``deadline_margin``; the ``*_timeout_s`` settings are their floors."""
+
     prefill_timeout_s: float = Field(
-        30.0, gt=0, description="The prefill leg must finish within this many seconds of dispatch (and a prefill "
-        "replica must be picked within as many). If it does not, or fails, before decode produced anything, the decode "
-        "replica drops the handoff and prefills the prompt itself (counted as prefill path `fallback`)."
+        30.0, gt=0, description="The prefill leg's deadline from dispatch is at least this, and longer for more work: "
+        "deadline_margin times the expected prefill of its prompt and of the prompt tokens queued ahead of it on its "
+        "prefill replica. A prefill replica must be picked within this floor. If the leg misses its deadline, or "
+        "fails, before decode produced anything, the decode replica aborts it and prefills the prompt itself "
+        "(counted as prefill path `fallback`)."
     )
     kv_timeout_s: float = Field(
-        45.0, gt=0, description="Push: a decode engine waits this long from registering its blocks for prefill's WRITE, "
-        "then recomputes the prompt itself (or, for an aborted request, frees the blocks). Prefill never starts a WRITE "
-        f"within {WRITE_MARGIN_S:g} s of this deadline. Must exceed prefill_timeout_s. It is the only rung left when "
-        "prefill answered but its WRITE never comes (its node was lost in between), so keep it below "
-        "ingress.queue_deadline_s, or the queue deadline's 503 comes first."
+        45.0, gt=0, description="Push: a decode engine waits for prefill's WRITE from registering its blocks until the "
+        "request's prefill deadline plus (kv_timeout_s - prefill_timeout_s), then recomputes the prompt itself (or, for "
+        f"an aborted request, frees the blocks); prefill never starts a WRITE within {WRITE_MARGIN_S:g} s of it. Must "
+        "exceed prefill_timeout_s. It is the only rung left when prefill answered but its WRITE never comes (its node "
+        "was lost in between), so keep it below ingress.queue_deadline_s, or the queue deadline's 503 comes first."
     )
     read_timeout_s: float = Field(
         20.0, gt=0, description="Pull: a decode engine gives each READ of prefill's KV this long from posting it, then "
         "cancels it and recomputes the prompt itself (counted as prefill path `kv_deadline`); a READ the transport "
-        "cannot cancel is waited for, since it may still write. Keep prefill_timeout_s + read_timeout_s below "
-        "ingress.queue_deadline_s, or the queue deadline's 503 comes first."
+        "cannot cancel is waited for, since it may still write. A transfer, not a computation: it does not grow with "
+        "the prefill cost. Keep prefill_timeout_s + read_timeout_s below ingress.queue_deadline_s, or the queue "
+        "deadline's 503 comes first."
+    )
+    deadline_margin: float = Field(
+        3.0, ge=1.5, description="How many times its expected work a request is given before a deadline gives up on "
+        "it: room for a box that runs slower than it did when the cost was measured (this one varies 2x from day to "
+        "day) and for the estimate's error. The queue deadline grows by (deadline_margin + 1) times the request's own "
+        "prefill, so that a fallback always comes before the queue deadline's 503."
+    )
+    assumed_prefill_tokens_per_s: float = Field(
+        25.0, gt=0, description="The prefill rate assumed until a decode replica has measured one (its first prefill "
+        "leg): slow on purpose, so that the first requests are never given up on for their length. A few hundred "
+        "tokens/s is a 2-core CPU's; a GPU's is thousands."
     )
     kv_checksums: bool = Field(
         True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "

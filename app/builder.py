@@ -46,7 +46,7 @@ def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:
             "mode": app_args.mode.value,
             "late_binding": app_args.late_binding,
             "local_prefill_below_tokens": app_args.routing.local_prefill_below_tokens,
-            "prefill_timeout_s": app_args.handoff.prefill_timeout_s,
+            "handoff": app_args.handoff,
             "conversations": app_args.conversations if app_args.conversations.enabled else None,
             "isolate_uncached": app_args.isolate_uncached_requests,
         },

@@ -3,10 +3,12 @@
 A :class:`Handoff` is built by ``DecodeServer`` from what it needs (decode's own engine,
 the prefill deployment, the connector backend, Ray's push orchestration) so that tests
 build a real one from stand-ins. It never hangs and never fails a request decode can
-serve itself: the prefill leg has ``timeout_s``, and so has the pick of a prefill replica
-before it (push: Ray's orchestration waits in that pick for as long as no prefill replica is
-routable, e.g. while a lost prefill node's replica is being replaced); if either fails or times
-out before decode produced anything, decode prefills the prompt itself (:attr:`Route.FALLBACK`).
+serve itself: the prefill leg has a deadline sized to its work (``app.deadlines``: its prompt and
+the work queued ahead of it on its prefill replica, at the prefill cost this replica measured), and
+the pick of a prefill replica before it has the deadline's floor (push: Ray's orchestration waits in
+that pick for as long as no prefill replica is routable, e.g. while a lost prefill node's replica is
+being replaced); if either fails or times out before decode produced anything, decode prefills the
+prompt itself (:attr:`Route.FALLBACK`) and the prefill leg is aborted (it would only cost compute).
 """
 
 from __future__ import annotations
@@ -22,10 +24,20 @@ from typing import Any
 
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 
+from app.deadlines import Deadlines
 from app.late_binding import Prefilled
 from app.planner import Route
-from app.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline
-from connector.params import KEEP_HISTORY_KEY, REUSE_REPORT_KEY, STAGES_KEY, TransferMode, new_transfer_request_id
+from app.prefill_router import said_prompt_tokens
+from app.timeline import LEGS_SENT, PREFILL_ANSWERED, PREFILL_FINISHED, PREFILL_STARTED, RequestTimeline, prefill_tokens_ahead
+from connector.params import (
+    KEEP_HISTORY_KEY,
+    KV_DEADLINE_KEY,
+    REUSE_KEY,
+    REUSE_REPORT_KEY,
+    STAGES_KEY,
+    TransferMode,
+    new_transfer_request_id,
+)
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")
 
@@ -51,7 +63,7 @@ class Handoff:
         *,
         mode: TransferMode,
         engine: Engine,
-        timeout_s: float,
+        deadlines: Deadlines,
         timelines: dict[str, RequestTimeline],
         replica_id: str = "",
         push: Callable[[Any, Any], AsyncIterator] | None = None,
@@ -65,17 +77,29 @@ class Handoff:
         ``backend``: the connector backend, both for pull. ``on_prefill_params``: prefill's
         response params (push; pull: those that report on the history); ``on_kept``: decode's response
         params of a turn it keeps (pull)."""
-        self.mode, self._engine, self.timeout_s, self._timelines = mode, engine, timeout_s, timelines
+        self.mode, self._engine, self.deadlines, self._timelines = mode, engine, deadlines, timelines
         self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
-        self.late_prefills: set[asyncio.Task] = set()  # kept referenced until they end
         self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
+        # Request id -> (its prompt tokens, whether its prefill computes them all: a leg that reuses
+        # history computes less, so its compute time says nothing of the cost of a prompt).
+        self._work: dict[str, tuple[int, bool]] = {}
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
         """Disaggregated prefill; if the handoff fails before anything reached the client,
         the decode engine prefills the prompt itself (a fresh engine request id: the
         aborted one may still be finishing)."""
+        whole = history is None and not (request.kv_transfer_params or {}).get(REUSE_KEY)
+        self._work[request.request_id] = (said_prompt_tokens(request) or 0, whole)
+        try:
+            async for chunk in self._remote_or_fallback(request, raw_request_info, endpoint, served, history, keep, hand_off):
+                yield chunk
+        finally:
+            self._work.pop(request.request_id, None)
+
+    async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history, keep,
+                                  hand_off):
         if self.mode is TransferMode.PULL:
             remote = self.pull_handoff(request, raw_request_info, endpoint, history, keep, hand_off)
             first_chunk = remote.__anext__()
@@ -104,20 +128,27 @@ class Handoff:
         async for chunk in await self._engine(endpoint, local, raw_request_info):
             yield chunk
 
+    def prefill_deadline_s(self, request_id: str) -> float:
+        """The prefill leg's deadline from dispatch: its work and, once its prefill replica is
+        picked, the work queued ahead of it there (``app.deadlines``)."""
+        tokens, _ = self._work.get(request_id, (0, False))
+        return self.deadlines.prefill_s(tokens, prefill_tokens_ahead(request_id) or 0)
+
     async def _first_push_chunk(self, remote: AsyncIterator, request_id: str):
-        """Push: the first chunk, but no later than ``timeout_s`` after the start if Ray's
+        """Push: the first chunk, but no later than the deadline's floor after the start if Ray's
         orchestration has not picked a prefill replica by then (its legs not sent: no
         :meth:`concurrent_decode` yet); from there that method's own deadline holds."""
         legs_out = self._legs_out[request_id] = asyncio.Event()
         first = asyncio.ensure_future(remote.__anext__())
         sent = asyncio.ensure_future(legs_out.wait())
+        pick_s = self.deadlines.prefill_floor_s
         try:
-            await asyncio.wait({first, sent}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({first, sent}, timeout=pick_s, return_when=asyncio.FIRST_COMPLETED)
             if not first.done() and not legs_out.is_set():
                 first.cancel()
                 with contextlib.suppress(BaseException):
                     await first
-                raise HandoffFailed(f"no prefill replica could be picked within {self.timeout_s:g} s")
+                raise HandoffFailed(f"no prefill replica could be picked within {pick_s:g} s")
             return await first
         finally:
             sent.cancel()
@@ -138,13 +169,21 @@ class Handoff:
         if timeline is not None:
             timeline.stamp(LEGS_SENT, time.time())
         prefill = getattr(self._prefill, endpoint).remote(prefill_request, raw_request_info)
+        answer_task = asyncio.ensure_future(prefill.__anext__())
         try:
-            answer = await asyncio.wait_for(prefill.__anext__(), self.timeout_s)
-        except TimeoutError:
-            prefill.cancel()  # prefill holds no decode resources in pull: dropping it is clean
-            raise HandoffFailed(f"prefill did not answer within {self.timeout_s:g} s") from None
-        except (asyncio.CancelledError, GeneratorExit):
-            prefill.cancel()  # the client hung up or the queue deadline passed: prefill stops too
+            # The deadline is read again when it passes: the prefill router's pick, made meanwhile,
+            # adds the work it found queued ahead.
+            dispatched = time.monotonic()
+            while not (await asyncio.wait({answer_task}, timeout=max(
+                    0.0, dispatched + self.prefill_deadline_s(request.request_id) - time.monotonic())))[0]:
+                if time.monotonic() >= dispatched + self.prefill_deadline_s(request.request_id):
+                    raise HandoffFailed(f"prefill did not answer within {self.prefill_deadline_s(request.request_id):.0f} s")
+            answer = answer_task.result()
+        except BaseException:
+            # The deadline passed, the client hung up or the queue deadline passed: prefill stops
+            # too (it holds no decode resources in pull: dropping it is clean).
+            answer_task.cancel()
+            prefill.cancel()
             raise
         if isinstance(answer, ErrorResponse):
             yield answer
@@ -156,6 +195,7 @@ class Handoff:
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())
             timeline.add_prefill_report(report)
+            self._measured(request.request_id, timeline)
         answer.kv_transfer_params = params
         if REUSE_REPORT_KEY in params:  # the history it READ back landed wrong (connector.pull_checksum)
             self._on_prefill_params(request.request_id, params)
@@ -185,20 +225,28 @@ class Handoff:
     async def concurrent_decode(self, method, decode_request, prefill_resp, raw_request_info):
         """Push: decode waits for KV that only the prefill leg can produce. Ray's version
         (``PDOrchestratorMixin._concurrent_decode``) waits for it without a deadline; this
-        one gives the prefill leg ``timeout_s`` and raises :class:`HandoffFailed` if it
-        fails or times out before decode's first chunk. Once decode produced a chunk its
+        one gives the prefill leg its deadline (``app.deadlines``) and raises
+        :class:`HandoffFailed` if it fails or times out before decode's first chunk; decode's
+        engine gets the matching KV deadline with the leg. Once decode produced a chunk its
         KV has arrived, and a later prefill failure is moot."""
-        timeline = self._timelines.get(decode_request.request_id)
+        request_id = decode_request.request_id
+        timeline = self._timelines.get(request_id)
         if timeline is not None:
             timeline.stamp(LEGS_SENT, time.time())
-        if (legs_out := self._legs_out.get(decode_request.request_id)) is not None:
+        if (legs_out := self._legs_out.get(request_id)) is not None:
             legs_out.set()
+        tokens, _ = self._work.get(request_id, (0, False))
+        deadline_s = self.prefill_deadline_s(request_id)  # its prefill replica is picked by now
+        decode_request.kv_transfer_params = {
+            **(decode_request.kv_transfer_params or {}),
+            KV_DEADLINE_KEY: self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0),
+        }
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
-        prefill.add_done_callback(lambda task: self._prefill_done(decode_request.request_id, task))
+        prefill.add_done_callback(lambda task: self._prefill_done(request_id, task))
         decode = await self._engine(method, decode_request, raw_request_info)
         chunks = decode.__aiter__()
         next_chunk = asyncio.ensure_future(chunks.__anext__())
-        deadline, abandoned = time.monotonic() + self.timeout_s, False
+        deadline = time.monotonic() + deadline_s
         try:
             while not next_chunk.done():
                 if prefill.done():
@@ -212,7 +260,8 @@ class Handoff:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
                 if not done:
-                    raise HandoffFailed(f"prefill did not finish within {self.timeout_s:g} s")
+                    raise HandoffFailed(f"prefill did not finish within {deadline_s:.0f} s, the deadline for "
+                                        f"{tokens} prompt tokens")
             try:
                 yield next_chunk.result()
             except StopAsyncIteration:
@@ -220,10 +269,7 @@ class Handoff:
             async for chunk in chunks:
                 yield chunk
             # Let the prefill response complete here: Serve's router counts it done then.
-            await asyncio.wait({prefill}, timeout=self.timeout_s)
-        except (asyncio.CancelledError, GeneratorExit):
-            abandoned = True  # the client hung up, or the request's queue deadline passed (app.queue_deadline)
-            raise
+            await asyncio.wait({prefill}, timeout=deadline_s)
         finally:
             if not next_chunk.done():
                 next_chunk.cancel()
@@ -231,18 +277,23 @@ class Handoff:
                     await next_chunk
             with contextlib.suppress(BaseException):
                 await decode.aclose()  # aborts the engine request if it is still running
-            if not prefill.done() and abandoned:
-                # Nobody waits for the answer: prefill stops computing it. The blocks decode
-                # registered for it are freed at the registration's expiry (handoff.kv_timeout_s;
-                # prefill never WRITEs that late: connector/push_deadline.py).
+            if not prefill.done():
+                # Nobody waits for its answer (the client hung up, the queue deadline passed, or
+                # decode computes the prompt itself): prefill stops computing it. The blocks decode
+                # registered are freed at the registration's expiry, which prefill never WRITEs that
+                # close to (connector/push_deadline.py).
                 prefill_resp.cancel()
                 prefill.cancel()
-            elif not prefill.done():
-                # Late, not cancelled: decode falls back to computing the prompt itself, and the
-                # WRITE is what releases the blocks it registered (vLLM frees an aborted decode
-                # request's blocks only once its KV has arrived) well before their expiry.
-                self.late_prefills.add(prefill)
-                prefill.add_done_callback(self.late_prefills.discard)
+
+    def _measured(self, request_id: str, timeline: RequestTimeline) -> None:
+        """The prefill engine's compute time of a leg that computed its whole prompt and found nothing
+        ahead of it on its replica (computed alone, as far as this replica can tell): a sample of the
+        prefill cost the deadlines are sized by."""
+        tokens, whole = self._work.get(request_id, (0, False))
+        started, finished = timeline.stamps.get(PREFILL_STARTED), timeline.stamps.get(PREFILL_FINISHED)
+        alone = not prefill_tokens_ahead(request_id)
+        if whole and alone and started is not None and finished is not None:
+            self.deadlines.cost.observe(tokens, finished - started)
 
     def _prefill_done(self, request_id: str, prefill: asyncio.Task) -> None:
         """Push: keep what prefill's response reports (reuse; the engine's stage stamps)."""
@@ -253,6 +304,7 @@ class Handoff:
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())
             timeline.add_prefill_report(params.get(STAGES_KEY))
+            self._measured(request_id, timeline)
         self._on_prefill_params(request_id, params)
 
 

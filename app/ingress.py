@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import hmac
 import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,9 +39,10 @@ from app.admission import Admission, Decision, Verdict
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
-from app.queue_deadline import QueueDeadline, QueueDeadlinePassed, QueueExpired, mark_queue_deadline
+from app.queue_deadline import QueueDeadline, QueueDeadlineMoved, QueueDeadlinePassed, QueueExpired, mark_queue_deadline
 from app.readiness import RETRY_AFTER_S, ReadinessProbe
-from app.timeline import ARRIVED, FIRST_CHUNK, RequestTimeline
+from app.request_fields import DEFAULT_OUTPUT_BUDGET
+from app.timeline import ARRIVED, FIRST_CHUNK, FIRST_TOKEN, RequestTimeline
 
 logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
 
@@ -107,9 +110,18 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             )
         if not gauge_refresh:
             gauge_refresh.append(asyncio.get_running_loop().create_task(metrics.refresh_admission_gauges(admission)))
-        # Admission before the body is read and validated: under overload a rejection must cost nearly nothing.
         arrived = time.time()
-        decision, ticket = admission.try_enter(int(size) if size is not None and size.isdigit() else 0, arrived)
+        body = await request.body()
+        if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
+            metrics.rejected().inc(tags={"reason": "too_large"})
+            return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # not JSON: FastAPI reports it
+        # Admission before the body is validated: under overload a rejection must cost nearly nothing
+        # (reading and parsing it is microseconds; what the client waits for depends on it).
+        decision, ticket = admission.try_enter(len(body), arrived, awaited_output_tokens(payload))
         metrics.admission_gauges(admission)
         if ticket is None:
             metrics.rejected().inc(tags={"reason": decision.verdict.value})
@@ -120,7 +132,7 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             request.state.rendezvous_deadline = QueueDeadline(arrived + args.queue_deadline_s, args.queue_deadline_s,
                                                               args.retry_after_s)
         try:
-            problem = await _prepare_body(request, max_body_bytes)
+            problem = _prepare_body(request, payload)
             if problem is not None:
                 admission.leave(ticket)
                 return problem
@@ -131,7 +143,8 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
         # Its first byte (a stream's first chunk: upstream returns the response once it has it), or
         # given up on at the queue deadline: both tell the model what waiting costs now.
         if response.status_code == 200 or getattr(request.state, "rendezvous_expired", False):
-            admission.answered(ticket, time.time())
+            admission.answered(ticket, time.time(), getattr(request.state, "rendezvous_first_token", None),
+                               getattr(request.state, "rendezvous_output_tokens", None))
         body = getattr(response, "body_iterator", None)
         if body is None:
             admission.leave(ticket)
@@ -173,24 +186,28 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
 def _busy_message(decision: Decision, admission: Admission) -> str:
     retry = f"retry after {decision.retry_after_s} s"
     if decision.verdict is Verdict.OVER_SLO:
-        return (f"server busy: the expected time to first token here is {decision.estimate_s:.1f} s, beyond this "
+        what = "the whole answer (not streamed)" if decision.whole else "first token"
+        return (f"server busy: the expected time to {what} here is {decision.estimate_s:.1f} s, beyond this "
                 f"server's {admission.ttft_slo_s:g} s target; {retry}")
     if decision.verdict is Verdict.LIMIT:
         return f"server busy: {admission.in_flight} requests in flight, the limit while latency is being learned; {retry}"
     return f"server busy: {admission.max_in_flight} requests in flight on this replica; {retry}"
 
 
-async def _prepare_body(request: Request, max_body_bytes: int) -> Response | None:
-    """Check a generation request's body before the endpoint parses it, and move a body
-    ``conversation_id`` into the header; an error response if the body cannot be served."""
-    body = await request.body()
-    if len(body) > max_body_bytes:  # a chunked upload has no Content-Length to check up front
-        metrics.rejected().inc(tags={"reason": "too_large"})
-        return openai_error(413, f"request body of {len(body)} bytes exceeds the limit of {max_body_bytes}")
-    try:
-        payload = json.loads(body)
-    except ValueError:
-        payload = None  # not JSON: FastAPI reports it
+def awaited_output_tokens(payload) -> int:
+    """The output tokens a client waits for before its first byte: a whole answer's budget; none for a stream."""
+    if not isinstance(payload, dict) or payload.get("stream") is True:
+        return 0
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_OUTPUT_BUDGET
+
+
+def _prepare_body(request: Request, payload) -> Response | None:
+    """Check a generation request's body (``payload``, parsed) before the endpoint parses it, and
+    move a body ``conversation_id`` into the header; an error response if the body cannot be served."""
     header = request.headers.get(CONVERSATION_HEADER)
     conversation_id = header
     if isinstance(payload, dict) and "conversation_id" in payload:
@@ -233,14 +250,20 @@ def record_timeline(timeline: RequestTimeline) -> None:
     logger.info("%s", timeline.to_log_line())
 
 
-async def timelines_recorded(responses: AsyncIterator, arrived: float) -> AsyncIterator:
+async def timelines_recorded(responses: AsyncIterator, arrived: float, state: Any = None) -> AsyncIterator:
     """``responses`` without the decode replica's :class:`RequestTimeline`, which is
-    completed with the ingress's own stamps (arrival, first chunk out) and recorded."""
+    completed with the ingress's own stamps (arrival, first chunk out) and recorded. On
+    ``state`` (the HTTP request's, for admission): when a whole answer's first token came,
+    and how many output tokens it had."""
     timeline, first_chunk = None, None
     async for response in responses:
         if isinstance(response, RequestTimeline):
             timeline = response  # before a whole response, or after a stream's last chunk
-        elif first_chunk is None and not isinstance(response, Prefilled):
+            if state is not None and (first_token := timeline.stamps.get(FIRST_TOKEN)) is not None:
+                state.rendezvous_first_token = first_token
+        elif state is not None and (usage := getattr(response, "usage", None)) is not None:
+            state.rendezvous_output_tokens = getattr(usage, "completion_tokens", None)
+        elif first_chunk is None and not isinstance(response, (Prefilled, QueueDeadlineMoved)):
             first_chunk = time.time()
         if timeline is not None and first_chunk is not None:
             # Before the yield: upstream stops reading after a whole (non-streamed) response.
@@ -278,17 +301,24 @@ class Ingress(OpenAiIngress):
             body = body.model_copy(update={"kv_transfer_params": None})  # engine addressing is ours alone
         arrived = getattr(getattr(raw_request, "state", None), "rendezvous_arrived", None) or time.time()
         prefilled = None
+        state = getattr(raw_request, "state", None)
         responses = super()._get_response(body=body, call_method=call_method, raw_request=raw_request)
-        async for response in timelines_recorded(responses, arrived):
+        async for response in timelines_recorded(responses, arrived, state):
             if isinstance(response, Prefilled):
                 prefilled = response  # the entry replica's answer ends here: it is no longer counted busy
                 continue
             if isinstance(response, QueueExpired):
                 raise QueueDeadlinePassed(response.request_id)
+            if isinstance(response, QueueDeadlineMoved):
+                _move_deadline(raw_request, response.at)
+                continue
             yield response
         if prefilled is not None:
             responses = super()._get_response(body=prefilled.attach_to(body), call_method=call_method, raw_request=raw_request)
-            async for response in timelines_recorded(responses, arrived):
+            async for response in timelines_recorded(responses, arrived, state):
+                if isinstance(response, QueueDeadlineMoved):
+                    _move_deadline(raw_request, response.at)
+                    continue
                 yield response
 
     def _get_configured_serve_handle(self, model_id: str):
@@ -298,22 +328,31 @@ class Ingress(OpenAiIngress):
         deadline = getattr(getattr(raw_request, "state", None), "rendezvous_deadline", None)
         if deadline is None:
             return await self._answer(body, call_method, raw_request)
+        # The decode replica adds the request's own work to it (app.queue_deadline).
+        mark_queue_deadline(body, deadline.at)
         if not getattr(body, "stream", False):
             # A whole answer comes at its end: the decode replica, which can ask its engine, tells
-            # whether the request started by the deadline (app.queue_deadline).
-            mark_queue_deadline(body, deadline.at)
+            # whether the request started by the deadline.
             try:
                 return await self._answer(body, call_method, raw_request)
             except QueueDeadlinePassed:
-                return _expired(raw_request, deadline, call_method, "no first token")
+                return _expired(raw_request, call_method, "no first token")
         calls = _CALLS.set([])
+        answer = asyncio.ensure_future(self._answer(body, call_method, raw_request))
         try:
-            return await asyncio.wait_for(self._answer(body, call_method, raw_request), max(0.0, deadline.at - time.time()))
-        except asyncio.TimeoutError:
+            while True:  # until the first chunk, or the deadline as the decode replica last moved it
+                at = raw_request.state.rendezvous_deadline.at
+                if (await asyncio.wait({answer}, timeout=max(0.0, at - time.time())))[0]:
+                    return answer.result()
+                if time.time() >= raw_request.state.rendezvous_deadline.at:
+                    break
+            answer.cancel()
             for call in _CALLS.get():
                 call.cancel()  # the decode replica's request is cancelled, which aborts its engines' legs
-            return _expired(raw_request, deadline, call_method, "no first chunk")
+            return _expired(raw_request, call_method, "no first chunk")
         finally:
+            if not answer.done():
+                answer.cancel()
             _CALLS.reset(calls)
 
     async def _answer(self, body, call_method: str, raw_request: Request | None) -> Response:
@@ -332,13 +371,24 @@ class Ingress(OpenAiIngress):
         return response
 
 
-def _expired(raw_request: Request, deadline: QueueDeadline, call_method: str, what: str) -> Response:
+def _move_deadline(raw_request: Request | None, at: float) -> None:
+    state = getattr(raw_request, "state", None)
+    deadline = getattr(state, "rendezvous_deadline", None)
+    if deadline is not None:
+        state.rendezvous_deadline = dataclasses.replace(deadline, at=at)
+
+
+def _expired(raw_request: Request, call_method: str, what: str) -> Response:
     raw_request.state.rendezvous_expired = True
+    deadline: QueueDeadline = raw_request.state.rendezvous_deadline
+    waited = time.time() - raw_request.state.rendezvous_arrived
     metrics.expired().inc()
-    logger.warning("%s: %s %g s after admission: answered 503 and aborted", call_method, what, deadline.seconds)
+    logger.warning("%s: %s %.0f s after admission (queue deadline %g s and the request's own work): answered 503 and "
+                   "aborted", call_method, what, waited, deadline.seconds)
     return openai_error(
-        503, f"the request did not start within the server's queue deadline ({deadline.seconds:g} s) and was "
-        f"aborted; retry after {deadline.retry_after_s} s", headers={"Retry-After": str(deadline.retry_after_s)})
+        503, f"the request did not start within the server's queue deadline ({deadline.seconds:g} s of waiting, "
+        f"{waited:.0f} s in all with its own work) and was aborted; retry after {deadline.retry_after_s} s",
+        headers={"Retry-After": str(deadline.retry_after_s)})
 
 
 # The decode deployment's calls made for the current request (only where a deadline may cancel them).

@@ -102,7 +102,8 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
                 self._forget(next(iter(self._in_flight)))
         count_pick("prefill", decision)
         if args and getattr(args[0], "request_id", None):
-            record_prefill_pick(args[0].request_id, time.time())
+            ahead = next((s.tokens_in_flight for s in snapshots if s.replica_id == decision.replica_id), 0)
+            record_prefill_pick(args[0].request_id, time.time(), ahead)  # the leg's deadline counts the work ahead
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("prefill pick %s for %d tokens, scores=%s", decision.replica_id, tokens, decision.scores)
         return ranked(decision, by_id)

@@ -1,12 +1,16 @@
-"""The queue deadline for non-streamed requests (``ingress.queue_deadline_s``), on the decode replica.
+"""The queue deadline (``ingress.queue_deadline_s``): when an admitted request that has not started is given up on.
 
-A stream's deadline is the ingress's alone: upstream returns a stream's response at its first
-chunk, so the ingress waits for that with a timeout. A non-streamed answer comes whole, at
-the end, so "has it started?" can only be told where its engine runs: the ingress writes
-the deadline into the request (``QUEUE_DEADLINE_FIELD``), and when it passes with no answer
-the decode replica asks its engine whether the request's first token is out. If not, the
-request is cancelled (the engine aborts it, the handoff its prefill leg) and ``QueueExpired``
-goes back in its place, which the ingress answers with the same 503 as a stream's.
+The setting is how long a request may *wait*; the time its own prompt takes to compute is added
+by the decode replica, which knows it (``app.deadlines``: a 4k-token prompt on a slow box is not
+a queued request). The ingress writes the deadline into the request (``QUEUE_DEADLINE_FIELD``).
+
+A stream's deadline is then kept by the ingress: upstream returns a stream's response at its
+first chunk, so the ingress waits for that, until the deadline the decode replica sends back
+first (``QueueDeadlineMoved``). A non-streamed answer comes whole, at the end, so "has it
+started?" can only be told where its engine runs: when the deadline passes with no answer the
+decode replica asks its engine whether the request's first token is out. If not, the request is
+cancelled (the engine aborts it, the handoff its prefill leg) and ``QueueExpired`` goes back in
+its place, which the ingress answers with the same 503 as a stream's.
 """
 
 from __future__ import annotations
@@ -43,6 +47,14 @@ class QueueExpired:
     and was aborted."""
 
     request_id: str
+
+
+@dataclass(frozen=True)
+class QueueDeadlineMoved:
+    """Decode replica -> ingress, a stream's first message: its deadline (epoch seconds), grown by
+    the request's own work."""
+
+    at: float
 
 
 class QueueDeadlinePassed(Exception):

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Output tokens assumed for a request that sets no max_tokens (load accounting, admission).
+DEFAULT_OUTPUT_BUDGET = 256
+
 
 def set_float_field(request: Any, name: str, value: float) -> None:
     try:

@@ -16,10 +16,11 @@ carries out what ``app.planner`` decides; it adds:
 * late binding in pull mode — a disaggregated request without a conversation is only
   prefilled by the replica it reached first; the ingress then has it decoded where the
   load is lowest when prefill is done (``app.late_binding``);
-* a handoff that cannot hang — the prefill leg has ``prefill_timeout_s``; if it times out
-  or fails before decode produced anything, decode prefills the prompt itself
-  (``fallback``) instead of waiting for KV that will never come, or failing the request
-  (``app.handoff``);
+* a handoff that cannot hang — the prefill leg has a deadline sized to its work
+  (``app.deadlines``); if it times out or fails before decode produced anything, decode
+  prefills the prompt itself (``fallback``) instead of waiting for KV that will never come,
+  or failing the request (``app.handoff``); the queue deadline grows by the request's own
+  work (a long prompt is not a queued one);
 * conversations — a turn with a ``conversation_id`` gets its conversation's prefix-cache
   salt on decode, and, when this replica still retains the conversation, both legs ask
   the engines to reuse the history (``app.conversations``, ``connector.push_reuse``);
@@ -44,8 +45,9 @@ from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
 
-from app.args import PullHistory
+from app.args import HandoffArgs, PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
+from app.deadlines import Deadlines
 from app.decode_metrics import DecodeMetrics
 from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
@@ -53,7 +55,8 @@ from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
 from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
-from app.queue_deadline import QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
+from app.queue_deadline import QueueDeadlineMoved, QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
+from app.request_fields import DEFAULT_OUTPUT_BUDGET
 from app.routing import PublishedLoad
 from app.timeline import (
     DECODE_PICKED,
@@ -76,8 +79,6 @@ logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: i
 # backends resolvable in every process, whoever built the app.
 register_backends()
 
-# Output budget assumed for load accounting when a request sets no max_tokens.
-_DEFAULT_OUTPUT_BUDGET = 256
 # Most recently used conversations a replica publishes to the routers (bounds the stats).
 _PUBLISHED_CONVERSATIONS = 2000
 
@@ -127,7 +128,7 @@ class DecodeServer(PDDecodeServer):
         mode: str,
         late_binding: bool,
         local_prefill_below_tokens: int,
-        prefill_timeout_s: float,
+        handoff: HandoffArgs,
         conversations,
         isolate_uncached: bool,
         **kwargs,
@@ -147,14 +148,14 @@ class DecodeServer(PDDecodeServer):
             settings,
             replica_id=serve.get_replica_context().replica_id.unique_id,
             tokenizer=load_tokenizer(llm_config),
-            prefill_timeout_s=prefill_timeout_s,
+            deadlines=Deadlines.of(handoff),
             conversations=conversations,
             metrics=DecodeMetrics(mode),
         )
         self._stamps_socket = listen_for_decode_stamps(self._engine_stamped)
         await warm_up(self, llm_config.model_id, "decode")
 
-    def _setup(self, settings: PlanSettings, *, replica_id: str, tokenizer, prefill_timeout_s: float, conversations,
+    def _setup(self, settings: PlanSettings, *, replica_id: str, tokenizer, deadlines: Deadlines, conversations,
                metrics) -> None:
         """Everything but Ray's own state; tests call it on an object without an engine.
         ``conversations``: ``app.args.ConversationArgs``, or None when conversations are off."""
@@ -171,7 +172,7 @@ class DecodeServer(PDDecodeServer):
         self._handoff = Handoff(
             mode=settings.mode,
             engine=lambda endpoint, request, raw: getattr(LLMServer, endpoint)(self, request, raw),
-            timeout_s=prefill_timeout_s,
+            deadlines=deadlines,
             timelines=self._timelines,
             replica_id=replica_id,
             push=lambda request, raw: self._pd_handle_request(request, raw),
@@ -248,17 +249,22 @@ class DecodeServer(PDDecodeServer):
             gen = self._handoff.remote_or_fallback(
                 with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
-        if not stream and (deadline := queue_deadline_of(request)) is not None:
-            gen = before_queue_deadline(
-                gen, deadline, lambda: self._engine_started(served.fallback_request_id or request_id), request_id)
-        cost = prompt_tokens + (request.max_tokens or _DEFAULT_OUTPUT_BUDGET)
+        if (deadline := queue_deadline_of(request)) is not None:
+            # The time a request may wait is the setting's; the time it takes to compute is its own.
+            deadline += self._handoff.deadlines.queue_extension_s(prompt_tokens)
+            if stream:  # the ingress holds a stream's deadline: it moves there
+                gen = _after(QueueDeadlineMoved(deadline), gen)
+            else:
+                gen = before_queue_deadline(
+                    gen, deadline, lambda: self._engine_started(served.fallback_request_id or request_id), request_id)
+        cost = prompt_tokens + (request.max_tokens or DEFAULT_OUTPUT_BUDGET)
         self._ongoing += 1
         self._tokens_in_flight += cost
         self._metrics.load(self._ongoing, self._tokens_in_flight)
         started, first = time.monotonic(), None
         try:
             async for chunk in gen:
-                if first is None and not isinstance(chunk, (Prefilled, QueueExpired)):
+                if first is None and not isinstance(chunk, (Prefilled, QueueExpired, QueueDeadlineMoved)):
                     first = time.monotonic() - started
                     timeline.stamp(FIRST_TOKEN, time.time())
                     if (picked := prefill_picked_at(request_id)) is not None:
@@ -315,6 +321,12 @@ class DecodeServer(PDDecodeServer):
             return None
         return cache.num_gpu_blocks * cache.block_size
 
+
+
+async def _after(first, chunks):
+    yield first
+    async for chunk in chunks:
+        yield chunk
 
 
 def _engine_fields(request_id: str, decided: Plan) -> dict[str, Any]:

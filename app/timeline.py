@@ -57,22 +57,30 @@ def decode_picked_of(request: Any) -> float | None:
     return float_field(request, DECODE_PICKED_FIELD)
 
 
-# Request id -> when the prefill router picked its prefill replica, until the decode replica reads it (same
-# process). Here, not in app.prefill_router: Serve pickles a request router's module *by value*, so the router's
-# module-level state would be a copy; this module is imported by reference from both sides.
-_PREFILL_PICKS: OrderedDict[str, float] = OrderedDict()
+# Request id -> (when the prefill router picked its prefill replica, the prompt tokens already in flight there),
+# until the decode replica reads it (same process). Here, not in app.prefill_router: Serve pickles a request
+# router's module *by value*, so the router's module-level state would be a copy; this module is imported by
+# reference from both sides.
+_PREFILL_PICKS: OrderedDict[str, tuple[float, int]] = OrderedDict()
 _PREFILL_PICKS_KEPT = 10_000  # picks whose request never reached a first token are dropped oldest first
 
 
-def record_prefill_pick(request_id: str, at: float) -> None:
-    _PREFILL_PICKS[request_id] = at
+def record_prefill_pick(request_id: str, at: float, tokens_ahead: int = 0) -> None:
+    _PREFILL_PICKS[request_id] = (at, tokens_ahead)
     if len(_PREFILL_PICKS) > _PREFILL_PICKS_KEPT:
         _PREFILL_PICKS.popitem(last=False)
 
 
 def prefill_picked_at(request_id: str) -> float | None:
     """When the prefill router picked ``request_id``'s prefill replica (the last pick); once."""
-    return _PREFILL_PICKS.pop(request_id, None)
+    picked = _PREFILL_PICKS.pop(request_id, None)
+    return picked[0] if picked else None
+
+
+def prefill_tokens_ahead(request_id: str) -> int | None:
+    """The prompt tokens in flight on ``request_id``'s prefill replica when it was picked; None before the pick."""
+    picked = _PREFILL_PICKS.get(request_id)
+    return picked[1] if picked else None
 
 
 # Stage name -> (from, to). A stage is exported when both stamps exist.

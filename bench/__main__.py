@@ -7,7 +7,8 @@
   soak            mixed traffic for a long while, replicas killed on a timer: nothing lost?
   skew            load-aware vs round-robin decode placement when every other request is long
   timeline        where each request's time to first token goes, stage by stage, push vs pull
-  overload        goodput at 1x, 2x and 4x of what the box sustains: fixed in-flight limit vs admission by TTFT
+  overload        goodput at 1x, 2x and 4x of what the box sustains: fixed in-flight limit vs admission by TTFB,
+                  streamed and whole answers; or a burst of whole answers at once (--burst)
 """
 
 from __future__ import annotations
@@ -97,12 +98,15 @@ def _timeline(a: argparse.Namespace) -> int:
 
 
 def _overload(a: argparse.Namespace) -> int:
-    from bench.overload import OverloadLoad, run_overload
+    from bench.overload import ARMS, OverloadLoad, run_burst, run_overload
 
     out = Path(a.out or f"results/overload-{time.strftime('%Y%m%d-%H%M%S')}")
     load = OverloadLoad(slo_s=a.slo_s, queue_deadline_s=a.queue_deadline_s, client_timeout_s=a.client_timeout_s,
-                        seconds=a.seconds)
-    rows = run_overload(a.config, out, load)
+                        seconds=a.seconds, prompt_words=a.prompt_words, output_len=a.output_len)
+    if a.burst:
+        run_burst(a.config, out, load, a.burst)
+        return 0
+    rows = run_overload(a.config, out, load, arms=a.arm or ARMS)
     return 1 if any(r["other_status"] for r in rows) else 0
 
 
@@ -179,6 +183,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-deadline-s", type=float, default=20.0, help="the adaptive arm's ingress.queue_deadline_s")
     s.add_argument("--client-timeout-s", type=float, default=30.0, help="the client gives up (and hangs up) after this")
     s.add_argument("--seconds", type=float, default=60.0, help="offered load per factor")
+    s.add_argument("--prompt-words", type=int, default=180, help="words of each prompt (~1.1 tokens a word)")
+    s.add_argument("--output-len", type=int, default=64, help="output tokens of each request")
+    s.add_argument("--arm", action="append", choices=("fixed", "adaptive", "whole"), help="only these arms (repeatable)")
+    s.add_argument("--burst", type=int, default=0, metavar="N",
+                   help="instead: N whole requests at once to the config as it is (its own SLO), the client giving up "
+                   "after --client-timeout-s")
     s.add_argument("--out", help="report directory (default results/overload-<time>)")
     s.set_defaults(func=_overload)
     return p

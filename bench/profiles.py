@@ -151,6 +151,25 @@ PROFILES: dict[str, Profile] = {
             notes=("3 prompts per point: p90/p99 are close to the maximum; quote cpu-full for percentiles.",),
         ),
         Profile(
+            name="cpu-overload-corner",
+            description="2-core laptop, embedded SmolLM2-135M: 20 prompts of 1k tokens at 0.5 req/s, past what the box "
+            "sustains: every request answered (or refused at arrival), at what throughput against one engine",
+            configs={
+                Mode.PUSH: "configs/local-cpu.yaml",
+                Mode.PULL: "configs/local-cpu-pull.yaml",
+                Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
+            },
+            rates={1024: (0.5,)},
+            output_len=64,
+            budget_s=30 * 60,
+            timing=CPU_2CORE,
+            window_s=40,
+            min_prompts=20,
+            max_prompts=20,
+            notes=("The corner where fixed deadlines made the fallback ladder an amplifier (issue: deadlines sized "
+                   "to the work): the prefill queue grows past 30 s.",),
+        ),
+        Profile(
             name="cpu-full",
             description="2-core laptop, embedded SmolLM2-135M: 512-4k inputs, rates up to saturation",
             configs={

@@ -28,6 +28,10 @@ CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PU
 # kv_connector_extra_config key of our connectors: seconds decode waits for its KV (push: from registering
 # its blocks, connector/push_deadline.py; pull: from posting a READ, connector/pull_deadline.py).
 KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
+# Push, per request (the decode leg's kv_transfer_params): seconds from registering its blocks to their
+# expiry, sized to the request's own work by the orchestrator (app/deadlines.py); KV_TIMEOUT_KEY is the
+# engine's default for a leg that does not say.
+KV_DEADLINE_KEY = "rendezvous_kv_deadline_s"
 # kv_connector_extra_config key of our connectors: sum the KV prefill sends and check it on landing
 # (connector/kv_checksum.py, connector/pull_checksum.py); both roles must agree.
 KV_CHECKSUMS_KEY = "rendezvous_kv_checksums"
@@ -72,6 +76,15 @@ READ_PLANNED_KEY = "_remote_blocks_processed"
 
 def is_prefill_leg(params: dict[str, Any] | None) -> bool:
     return bool((params or {}).get(DO_REMOTE_DECODE))
+
+
+def kv_timeout_of(params: dict[str, Any] | None, default_s: float | None) -> float | None:
+    """A decode leg's own KV deadline (seconds), else the engine's default."""
+    said = (params or {}).get(KV_DEADLINE_KEY)
+    try:
+        return float(said) if said is not None and float(said) > 0 else default_s
+    except (TypeError, ValueError):
+        return default_s
 
 
 def is_decode_leg(params: dict[str, Any] | None) -> bool:

@@ -2,13 +2,22 @@
 
 Upstream, a decode request whose prefill never WRITEs (prefill dead, stalled, or its leg
 aborted) waits forever, and if it is aborted its blocks are never freed (vLLM frees them
-only once the KV arrived). Decode now stamps each registration with a wall-clock expiry
-(``rendezvous_kv_timeout_s`` in ``kv_connector_extra_config``); past it, the decode worker
+only once the KV arrived). Decode now stamps each registration with a wall-clock expiry:
+the seconds its decode leg says (``KV_DEADLINE_KEY``: the orchestrator sizes them to the
+request's work, ``app.deadlines``), else ``rendezvous_kv_timeout_s`` in
+``kv_connector_extra_config``; past it, the decode worker
 reports the load as failed, so the scheduler recomputes the prompt locally
 (``kv_load_failure_policy: recompute``) or, for an aborted request, frees its blocks.
 Prefill never starts a WRITE into a registration within ``WRITE_MARGIN_S`` of its expiry,
 so a late prefill cannot write into blocks decode has already given away (clocks of the
 two hosts must agree to well within that margin).
+
+A prefill leg that is aborted before its KV was computed (the orchestrator gave up on it:
+its fallback, a hang-up, the queue deadline) is never written. Upstream says nothing of it
+to decode, whose aborted request then holds its blocks until their expiry, which is sized to
+the request's work and can be minutes under load. So prefill tells decode at once
+(``WONT_WRITE_NOTIF``, to every decode rank of a peer it has handshaken with), and decode
+fails that receive as at its expiry: the blocks go back in a step.
 
 Swapped into vLLM's push scheduler and worker by ``connector.vllm_connectors``.
 """
@@ -22,11 +31,15 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from connector.params import WRITE_MARGIN_S
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
+
+from connector.params import WRITE_MARGIN_S, kv_timeout_of
+from connector.side_notifs import WONT_WRITE_NOTIF, take
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
 EXPIRES_KEY = "rendezvous_expires_at"  # added to each push registration (wall clock, seconds)
+_ABORTED_KEPT_S = 600.0  # an aborted leg's registration comes within this, or never
 
 
 def registration_expired(registration: dict[str, Any], now: float, margin_s: float = 0.0) -> bool:
@@ -41,10 +54,11 @@ class DeadlineScheduler(NixlPushConnectorScheduler):
     _kv_timeout_s: float | None = None
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        timeout_s = kv_timeout_of(request.kv_transfer_params, self._kv_timeout_s)  # before vLLM rewrites the params
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         registration = self._push_pending_registrations.get(request.request_id)
-        if registration is not None and self._kv_timeout_s and EXPIRES_KEY not in registration:
-            registration[EXPIRES_KEY] = time.time() + self._kv_timeout_s
+        if registration is not None and timeout_s and EXPIRES_KEY not in registration:
+            registration[EXPIRES_KEY] = time.time() + timeout_s
 
 
 class DeadlineWorker(NixlPushConnectorWorker):
@@ -52,16 +66,46 @@ class DeadlineWorker(NixlPushConnectorWorker):
     starts a WRITE into a registration about to expire, and drops expired ones."""
 
     _recv_expiry: dict[str, float]
+    _aborted_legs: dict[str, float]  # prefill side: base request id -> when its leg was aborted (monotonic)
 
     def start_load_kv(self, metadata):
         for req_id, registration in (metadata.push_registrations or {}).items():
             if EXPIRES_KEY in registration:
                 self._recv_expiry[req_id] = float(registration[EXPIRES_KEY])
+        now = time.monotonic()
+        for req_id in metadata.reqs_not_processed or ():  # prefill legs aborted before they finished
+            self._aborted_legs[get_base_request_id(req_id)] = now
+        for base_id, at in list(self._aborted_legs.items()):
+            if now - at > _ABORTED_KEPT_S:
+                self._aborted_legs.pop(base_id, None)
+        self._release_aborted()
         super().start_load_kv(metadata)
 
     def get_finished(self):
         self._fail_expired_receives(time.time())
         return super().get_finished()
+
+    def _get_new_notifs(self) -> set[str]:
+        for notif in take(self._pending_completion_notifs, WONT_WRITE_NOTIF):
+            req_id = notif[len(WONT_WRITE_NOTIF):].decode(errors="replace")
+            if req_id in self._recving_metadata and req_id not in self._recving_transfers:
+                logger.info("prefill aborted %s before its WRITE: its blocks go back now", req_id)
+                self._recv_expiry[req_id] = 0.0  # failed at the next step, as at its expiry
+        return super()._get_new_notifs()
+
+    def _release_aborted(self) -> None:
+        """Prefill side: tell decode that the registrations of aborted legs will never be written."""
+        for rid, registration in list(self._pending_d_registrations.items()):
+            if get_base_request_id(rid) not in self._aborted_legs:
+                continue
+            if self._pending_d_registrations.pop(rid, None) is None:
+                continue  # the writer thread took it meanwhile
+            agents = (self._remote_agents.get(registration.get("decode_engine_id")) or {}).values()
+            for agent_name in agents:
+                try:
+                    self.nixl_wrapper.send_notif(agent_name, notif_msg=WONT_WRITE_NOTIF + str(registration["request_id"]).encode())
+                except Exception:  # decode's expiry frees the blocks all the same
+                    logger.debug("won't-write notice for %s not sent", rid, exc_info=True)
 
     def _fail_expired_receives(self, now: float) -> None:
         for req_id, expires_at in list(self._recv_expiry.items()):
@@ -88,3 +132,4 @@ class DeadlineWorker(NixlPushConnectorWorker):
         for req_id, registration in list(self._pending_d_registrations.items()):
             if registration_expired(registration, now, WRITE_MARGIN_S):
                 del self._pending_d_registrations[req_id]
+        self._release_aborted()  # a registration that came after its leg was aborted

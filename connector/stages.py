@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg
+from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg, kv_timeout_of
 from connector.side_notifs import WRITE_STARTED_NOTIF, take
 
 logger = logging.getLogger("vllm.rendezvous")
@@ -123,17 +123,19 @@ class StageClock:
 
     def _state(self) -> dict[str, Any]:
         # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
-        # requested: decode request -> blocks allocated for remote KV.
+        # requested: decode request -> blocks allocated for remote KV; timeout: its KV deadline (seconds).
         # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
-        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {}})
+        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {}, "timeout": {}})
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        decode_leg = is_decode_leg(request.kv_transfer_params)  # before vLLM clears the flag
+        kv_params = request.kv_transfer_params
+        decode_leg = is_decode_leg(kv_params)  # before vLLM clears the flag
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if is_prefill_leg(request.kv_transfer_params):
             self._state()["started"].setdefault(request.request_id, time.time())
         elif decode_leg and num_external_tokens > 0:
             self._state()["requested"].setdefault(request.request_id, time.time())
+            self._state()["timeout"][request.request_id] = kv_timeout_of(kv_params, getattr(self, "_kv_timeout_s", None))
             self._state()["blocks"][request.request_id] = {b for group in blocks.get_block_ids() for b in group}
 
     def update_connector_output(self, connector_output):
@@ -143,10 +145,10 @@ class StageClock:
         for request_id in connector_output.finished_recving or ():
             at = state["requested"].pop(request_id, None)
             blocks = state["blocks"].pop(request_id, set())
+            timeout_s = state["timeout"].pop(request_id, None)  # the request's KV deadline (connector.*_deadline)
             if at is None:
                 continue
             if blocks & invalid:
-                timeout_s = getattr(self, "_kv_timeout_s", None)  # the mode's KV deadline (connector.*_deadline)
                 past_deadline = timeout_s is not None and now >= at + timeout_s - _DEADLINE_SLACK_S
                 failure = KvFailure.DEADLINE if past_deadline else KvFailure.FAILED
                 send_stamps(DecodeKvStamps(request_id, requested=at, failed=failure.value))
@@ -158,6 +160,7 @@ class StageClock:
         started = state["started"].pop(request.request_id, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         state["blocks"].pop(request.request_id, None)
+        state["timeout"].pop(request.request_id, None)
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):

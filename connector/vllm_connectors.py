@@ -137,6 +137,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 self.connector_worker.__class__ = PushWorker
                 self.connector_worker._kv_checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
                 self.connector_worker._recv_expiry = {}
+                self.connector_worker._aborted_legs = {}
                 self.connector_worker.init_reuse()
                 self.connector_worker.init_idle()
 

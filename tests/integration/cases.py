@@ -24,6 +24,14 @@ def long_text(sentences: int) -> str:
     )
 
 
+def longest_prompt(reference, tokens: int) -> list[int]:
+    """Exactly ``tokens`` prompt token ids: filler text, its last token repeated to the length."""
+    tokenizer = reference.llm.get_tokenizer()
+    ids = tokenizer.encode(long_text(tokens // 10))  # ~12 tokens a sentence: more than enough
+    assert len(ids) >= tokens // 2
+    return (ids + [ids[-1]] * tokens)[:tokens]
+
+
 @dataclass(frozen=True)
 class Case:
     name: str

@@ -47,6 +47,7 @@ from tests.integration.cases import (
     assert_token_identical,
     assert_wrong_kv_is_caught,
     long_text,
+    longest_prompt,
     parse_generation,
     parse_stream_generation,
     read_stream,
@@ -61,6 +62,7 @@ from tests.integration.conversations import (
 )
 from tests.integration.reference import app_args
 from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
+from tests.integration.cpu_quota import cpu_quota
 from tests.integration.prometheus import prometheus_scraping
 from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
@@ -92,24 +94,32 @@ def test_streamed_output_is_identical_to_a_single_engine(client, reference, name
     assert_stream_identical(client, reference, CASE_BY_NAME[name])
 
 
-def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identical(client, reference):
-    """connector.idle_wait: decode's engine waits for pushed KV without stepping. One long
-    prompt alone, streamed; CPU seconds of each role's engine processes (EngineCore and
-    worker, from /proc) from the request to its first chunk, per second of that wait: a share
-    of a core, so it holds on a slower or faster box. Before the wait, decode's engine took
-    0.7 of a core polling; waiting, it takes what draining NIXL's notifications every 4 ms
-    costs (connector.idle_wait): 0.14 of a core on a fast day, ~0.2 on a slow one. The prompt (~1.6k tokens) is prefilled well inside
-    the prefill deadline even on a slow box: a leg that missed it would have decode compute
-    the prompt itself (seen in CI with 3.5k tokens), which says nothing about the wait."""
-    case = Case("completion-1.6k", prompt=long_text(110))
-    expected = case.reference(reference)  # computed first: the reference engine shares the box
-    assert len(expected.prompt_ids) > 1200
+LONGEST_MAX_TOKENS = 16
+
+
+def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu_while_decode_sleeps(client, reference):
+    """app.deadlines: the longest prompt the config allows (max_model_len - max_tokens), five times in a row
+    on the idle app, then five more with both engines held to half a core each (a CPU cgroup quota: prefill
+    takes twice as long, as on this box's slow days): ten correct answers, every one pushed (prefill path
+    `remote`: no fallback, no KV deadline, no recompute). Deadlines are sized to the request's work, so a
+    valid prompt is never given up on for its length on an idle server.
+
+    The first one is streamed, and it also checks connector.idle_wait: decode's engine waits for pushed KV
+    without stepping. CPU seconds of each role's engine processes (EngineCore and worker, from /proc) from
+    the request to its first chunk, per second of that wait: a share of a core, so it holds on a slower or
+    faster box. Before the wait, decode's engine took 0.7 of a core polling; waiting, it takes what draining
+    NIXL's notifications every 4 ms costs (connector.idle_wait): 0.14 of a core on a fast day, ~0.2 on a
+    slow one."""
+    max_model_len = app_args(CONFIG).engine_kwargs["max_model_len"]
+    case = Case("completion-longest", prompt=longest_prompt(reference, max_model_len - LONGEST_MAX_TOKENS))
+    expected = case.reference(reference, LONGEST_MAX_TOKENS)  # computed first: the reference engine shares the box
     prefill, decode = engine_processes("Prefill"), engine_processes("Decode")
     assert prefill and decode
     paths_before = _requests_by_prefill_path(client)
+
     before, started = (cpu_seconds(prefill), cpu_seconds(decode)), time.monotonic()
-    with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
-        assert r.status_code == 200
+    with client.http.stream("POST", case.endpoint, json=case.body(stream=True, max_tokens=LONGEST_MAX_TOKENS)) as r:
+        assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         first = next(line for line in lines if line.startswith("data: "))
         prefill_cpu, decode_cpu = cpu_seconds(prefill) - before[0], cpu_seconds(decode) - before[1]
@@ -118,10 +128,26 @@ def test_decode_sleeps_while_a_long_prompt_is_pushed_and_the_answer_stays_identi
     assert text == expected.text, f"{text!r} != {expected.text!r}"
     print(f"\n{len(expected.prompt_ids)} prompt tokens, to the first chunk ({waited:.1f} s): prefill engine "
           f"{prefill_cpu:.2f} CPU s, decode engine {decode_cpu:.2f}")
+
+    def whole_answers(count: int, label: str) -> list[float]:
+        took = []
+        for _ in range(count):
+            sent = time.monotonic()
+            r = client.post(case.endpoint, json=case.body(max_tokens=LONGEST_MAX_TOKENS))
+            took.append(round(time.monotonic() - sent, 1))
+            assert r.status_code == 200, f"{label}, after {took}: {r.status_code} {r.text[:300]}"
+            assert parse_generation(case, r.json()).token_ids == expected.token_ids, label
+        return took
+
+    full = whole_answers(4, "full CPU")
+    with cpu_quota(prefill, 0.5), cpu_quota(decode, 0.5):
+        half = whole_answers(5, "half CPU")
+    print(f"answered in {[round(waited, 1), *full]} s at full CPU, {half} s at half")
+    assert min(half) > 1.3 * max(full[1:]), "the quota did not slow the engines down"
     deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while sum((grown := _requests_by_prefill_path(client) - paths_before).values()) < 1 and time.monotonic() < deadline:
+    while sum((grown := _requests_by_prefill_path(client) - paths_before).values()) < 10 and time.monotonic() < deadline:
         time.sleep(1)
-    assert dict(grown) == {"remote": 1}, f"the request was not pushed; by prefill path: {dict(grown)}"
+    assert dict(grown) == {"remote": 10}, f"not every request was pushed; by prefill path: {dict(grown)}"
     assert decode_cpu < 0.35 * waited, f"decode used {decode_cpu:.2f} CPU s in {waited:.1f} s (prefill {prefill_cpu:.2f})"
 
 
@@ -580,8 +606,10 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
             assert int(r["retry_after"]) > 0 and r["response"]["error"]["type"] == "rate_limit_error", r
         if r["status"] == 503:
             assert int(r["retry_after"]) > 0 and "queue deadline" in r["response"]["error"]["message"], r
-    # Admitted and started within the queue deadline, or answered 503 at it (1 s: the client's own reading).
-    late = [(r["index"], r["first_byte_s"]) for r in accepted if r["first_byte_s"] > ingress.queue_deadline_s + 1]
+    # Admitted and started within the queue deadline, or answered 503 at it. The deadline is the setting's wait plus
+    # the request's own expected prefill, (deadline_margin + 1) times its cost (app/deadlines.py): for these ~45-token
+    # prompts under a second on this box, 2 s allowed; and 1 s for the client's own reading.
+    late = [(r["index"], r["first_byte_s"]) for r in accepted if r["first_byte_s"] > ingress.queue_deadline_s + 2 + 1]
     assert not late, f"admitted streams whose first event came after the queue deadline: {late}"
     generations = [parse_stream_generation(r["response"]) for r in accepted]
     all_gaps = reference.teacher_forcing_gaps([(g.prompt_ids, g.token_ids) for g in generations])

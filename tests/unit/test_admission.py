@@ -11,7 +11,7 @@ from app.admission import (
     MIN_SAMPLES,
     Admission,
     AimdLimit,
-    TtfbModel,
+    Line,
     Verdict,
     fit,
 )
@@ -25,13 +25,13 @@ def _line(base, slope, xs):
     "samples, expected",
     [
         ([(10.0, 1.0)] * (MIN_SAMPLES - 1), None),  # too few answers: no estimate
-        (_line(0.5, 0.1, [1, 5, 10, 20, 40, 80, 10, 5]), TtfbModel(0.5, 0.1)),  # a clean line
+        (_line(0.5, 0.1, [1, 5, 10, 20, 40, 80, 10, 5]), Line(0.5, 0.1)),  # a clean line
         # All answers had the same work ahead: no slope to fit, TTFB taken as proportional to it.
-        ([(8.0, 2.0)] * MIN_SAMPLES, TtfbModel(0.0, 0.25)),
+        ([(8.0, 2.0)] * MIN_SAMPLES, Line(0.0, 0.25)),
         # Noise that fits a falling line: proportional instead (more work ahead never means faster).
-        ([(1.0, 3.0), (20.0, 1.0)] * (MIN_SAMPLES // 2), TtfbModel(0.0, 4.0 / 21.0)),
+        ([(1.0, 3.0), (20.0, 1.0)] * (MIN_SAMPLES // 2), Line(0.0, 4.0 / 21.0)),
         # A line through a negative base (work ahead explains more than all of it): proportional.
-        (_line(-1.0, 0.2, [10, 20, 30, 40] * 2), TtfbModel(0.0, 4.0 / 25.0)),
+        (_line(-1.0, 0.2, [10, 20, 30, 40] * 2), Line(0.0, 4.0 / 25.0)),
     ],
 )
 def test_the_model_is_a_line_through_recent_answers_or_proportional_when_a_line_would_mislead(samples, expected):
@@ -40,7 +40,7 @@ def test_the_model_is_a_line_through_recent_answers_or_proportional_when_a_line_
         assert model is None
     else:
         assert model.base_s == pytest.approx(expected.base_s, abs=1e-9)
-        assert model.s_per_kib == pytest.approx(expected.s_per_kib, rel=1e-9)
+        assert model.slope == pytest.approx(expected.slope, rel=1e-9)
 
 
 def test_aimd_grows_by_one_over_the_limit_and_cuts_at_most_once_per_cooldown():
@@ -135,3 +135,58 @@ def test_a_request_that_leaves_before_its_first_byte_teaches_nothing():
     admission.leave(ticket)  # hung up, or failed
     assert admission.in_flight == 0 and admission.model is None and admission.limit.value == 4
     assert admission.try_enter(1024, now=1.0)[0].estimate_s is None
+
+
+def _learned_whole(tpot_at_one=0.1, tpot_per_request=0.05) -> Admission:
+    """``_learned``'s TTFT line (1 + 0.5 s per KiB ahead), and whole answers whose time per output token
+    was ``tpot_at_one + tpot_per_request * (requests in flight when admitted)``."""
+    admission = _learned()
+    for in_flight in range(1, MIN_SAMPLES + 1):
+        tickets = [admission.try_enter(1024, now=0.0, output_tokens=11)[1] for _ in range(in_flight)]
+        tpot = tpot_at_one + tpot_per_request * in_flight
+        admission.answered(tickets[-1], now=2.0 + 10 * tpot, first_token_at=2.0, output_tokens=11)
+        for ticket in tickets:
+            admission.leave(ticket)
+    assert admission.tpot_model is not None and admission.in_flight == 0
+    return admission
+
+
+@pytest.mark.parametrize("held, output_tokens, admitted, verdict", [
+    # TTFT 1 + 0.5 * 3 = 2.5 s, then 20 tokens at 0.1 + 0.05 * 3 = 0.25 s: 7.5 s <= 10 s.
+    (2, 21, True, Verdict.ESTIMATE),
+    # The same prompt with 41 tokens: 2.5 + 40 * 0.25 = 12.5 s, beyond the SLO: refused, though its first token would
+    # come in 2.5 s. Its client waits for the last.
+    (2, 41, False, Verdict.OVER_SLO),
+    (2, 0, True, Verdict.ESTIMATE),  # streamed: its first token is what it waits for
+    (0, 10_000, True, Verdict.IDLE),  # nothing ahead of it: never refused for its own length
+])
+def test_a_whole_answer_is_admitted_by_its_expected_time_to_the_last_token(held, output_tokens, admitted, verdict):
+    admission = _learned_whole()
+    for _ in range(held):
+        assert admission.try_enter(1024, now=100.0)[0].admitted
+    decision, ticket = admission.try_enter(1024, now=100.0, output_tokens=output_tokens)
+    assert (decision.admitted, decision.verdict) == (admitted, verdict), decision
+    assert decision.whole == (output_tokens > 1 and not admitted)
+
+
+def test_without_a_tpot_model_a_whole_answer_is_refused_by_its_ttft_alone_else_the_limit_decides():
+    admission = _learned()  # TTFT learned from streams; no whole answer seen yet
+    assert admission.tpot_model is None
+    for _ in range(ALWAYS_ADMITTED):
+        admission.try_enter(4 * 1024, now=100.0)
+    assert admission.try_enter(1024, now=100.0, output_tokens=64)[0].verdict is Verdict.LIMIT  # TTFT 5.5 s: can't tell
+    assert admission.try_enter(12 * 1024, now=100.0, output_tokens=64)[0].verdict is Verdict.OVER_SLO  # TTFT 15 s
+
+
+def test_a_whole_answer_teaches_its_first_token_and_its_time_per_token_apart():
+    admission = Admission(max_in_flight=48, ttft_slo_s=10.0)
+    for _ in range(MIN_SAMPLES):
+        _, ticket = admission.try_enter(1024, now=0.0, output_tokens=101)
+        admission.answered(ticket, now=12.0, first_token_at=2.0, output_tokens=101)  # 2 s TTFT, then 0.1 s a token
+        admission.leave(ticket)
+    assert admission.model.estimate(1.0) == pytest.approx(2.0)
+    assert admission.tpot_model.estimate(1.0) == pytest.approx(0.1)
+    # Without its first token's time a whole answer teaches neither (its TTFB is not a TTFT).
+    _, ticket = admission.try_enter(1024, now=20.0, output_tokens=101)
+    admission.answered(ticket, now=40.0)
+    assert admission.model.estimate(1.0) == pytest.approx(2.0)

@@ -11,6 +11,7 @@ import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo
 
+from app.deadlines import Deadlines
 from app.late_binding import Prefilled
 from app.handoff import Handoff, HandoffFailed, Served
 from app.planner import Route
@@ -59,10 +60,15 @@ def _handoff(*, decode_after_s: float = 0.0, decode_chunks=("d1", "d2"), timeout
 
         return gen()
 
-    handoff = Handoff(mode=TransferMode(mode), engine=engine, timeout_s=timeout_s, timelines={}, replica_id=replica_id,
-                      push=push, prefill=prefill, backend=backend)
+    handoff = Handoff(mode=TransferMode(mode), engine=engine, deadlines=_deadlines(timeout_s), timelines={},
+                      replica_id=replica_id, push=push, prefill=prefill, backend=backend)
     handoff.decode_closed, handoff.local_requests = decode_closed, local_requests
     return handoff
+
+
+def _deadlines(floor_s: float) -> Deadlines:
+    """The deadlines' floor alone: a prefill cost too small to count (app.deadlines sizes them to the work)."""
+    return Deadlines(prefill_floor_s=floor_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
 
 
 def _decode_request() -> CompletionRequest:
@@ -85,15 +91,15 @@ def _collect(agen) -> tuple[list, BaseException | None]:
 def test_a_prefill_that_never_finishes_fails_the_handoff_at_the_deadline():
     handoff = _handoff(decode_after_s=3600)
     chunks, error = _collect(handoff.concurrent_decode("completions", _decode_request(), _Prefill(None), None))
-    assert chunks == [] and isinstance(error, HandoffFailed) and "0.3 s" in str(error)
+    assert chunks == [] and isinstance(error, HandoffFailed) and "within 0 s" in str(error)
     assert handoff.decode_closed == ["rdv-1"], "the decode leg must be aborted"
 
 
-def test_an_abandoned_push_handoff_cancels_its_prefill_leg_and_a_failed_one_keeps_it():
+def test_an_abandoned_or_failed_push_handoff_aborts_its_prefill_leg():
     """Push: a consumer that goes away before the first chunk (a client hang-up, the queue
-    deadline) cancels the prefill leg too (decode's registered blocks expire on their own). A
-    handoff that failed (prefill too slow) keeps the leg: decode recomputes the prompt, and the
-    late WRITE frees decode's blocks sooner than their expiry."""
+    deadline) cancels the prefill leg too, and so does a handoff past its deadline: decode
+    computes the prompt itself, and a prefill nobody waits for would only cost compute.
+    Decode's registered blocks are freed at their expiry (connector.push_deadline)."""
     handoff, prefill = _handoff(decode_after_s=3600), _Prefill(None)
 
     async def abandon():
@@ -104,16 +110,16 @@ def test_an_abandoned_push_handoff_cancels_its_prefill_leg_and_a_failed_one_keep
             await task
 
     asyncio.run(abandon())
-    assert prefill.cancelled and not handoff.late_prefills and handoff.decode_closed == ["rdv-1"]
+    assert prefill.cancelled and handoff.decode_closed == ["rdv-1"]
 
     handoff, prefill = _handoff(decode_after_s=3600, timeout_s=0.05), _Prefill(None)
 
     async def fail():
         with pytest.raises(HandoffFailed):
             await anext(handoff.concurrent_decode("completions", _decode_request(), prefill, None))
-        return len(handoff.late_prefills)
 
-    assert asyncio.run(fail()) == 1 and not prefill.cancelled
+    asyncio.run(fail())
+    assert prefill.cancelled and handoff.decode_closed == ["rdv-1"]
 
 
 @pytest.mark.parametrize("prefill", [_Prefill(0.01, chunks=(_error(500),)), _Prefill(0.01, fail=True)], ids=["error", "dead"])

@@ -333,12 +333,13 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     """Ingress: a stream with no first chunk by the deadline: the decode deployment's call made for
     the request is cancelled (Serve then cancels it on the replica, which aborts its engines' legs).
     A whole answer carries the deadline to the decode replica, which answers QueueExpired if its
-    engine had not started it (app.queue_deadline): the same 503."""
+    engine had not started it (app.queue_deadline): the same 503. A stream whose decode replica
+    moved its deadline (by the request's own work) is waited for until the moved deadline."""
     from types import SimpleNamespace
 
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress
+    from app.ingress import Ingress, _move_deadline
     from app.queue_deadline import QueueDeadline, QueueDeadlinePassed, queue_deadline_of
 
     class Call:
@@ -361,6 +362,10 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
 
     async def upstream(self, body, call_method, raw_request=None):
         getattr(self._get_configured_serve_handle("m"), call_method).remote(body)
+        if body.prompt == "long":  # what _get_response does with the replica's QueueDeadlineMoved
+            _move_deadline(raw_request, time.time() + 1.0)
+            await asyncio.sleep(0.4)
+            return JSONResponse({"ok": True})
         await asyncio.sleep(0 if not body.stream else 30)  # a stream that never starts
         if body.prompt == "late":
             raise QueueDeadlinePassed("r1")  # what _get_response raises on the replica's QueueExpired
@@ -369,7 +374,8 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     monkeypatch.setattr(OpenAiIngress, "_process_llm_request", upstream)
 
     def request():
-        return SimpleNamespace(state=SimpleNamespace(rendezvous_deadline=QueueDeadline(time.time() + 0.2, 0.2, 3)))
+        return SimpleNamespace(state=SimpleNamespace(rendezvous_deadline=QueueDeadline(time.time() + 0.2, 0.2, 3),
+                                                     rendezvous_arrived=time.time()))
 
     ingress = Ingress.__new__(Ingress)
     stream, whole, late = request(), request(), request()
@@ -377,14 +383,16 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     expired = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True, prompt="p"), "chat", stream))
     answered = asyncio.run(ingress._process_llm_request(whole_body, "chat", whole))
     expired_whole = asyncio.run(ingress._process_llm_request(late_body, "chat", late))
+    moved = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True, prompt="long"), "chat", request()))
+    assert moved.status_code == 200, "a stream past the setting but within its moved deadline was given up on"
     for response in (expired, expired_whole):
         assert response.status_code == 503 and response.headers["retry-after"] == "3"
-        assert "queue deadline (0.2 s)" in json.loads(response.body)["error"]["message"]
+        assert "queue deadline (0.2 s of waiting" in json.loads(response.body)["error"]["message"]
     assert stream.state.rendezvous_expired is True and late.state.rendezvous_expired is True
     assert answered.status_code == 200 and not hasattr(whole.state, "rendezvous_expired")
     # The whole answers carried the deadline to the replica; only the stream's call was cancelled here.
     assert queue_deadline_of(whole_body) == whole.state.rendezvous_deadline.at
-    assert [call.cancelled for call in handle.calls] == [True, False, False]
+    assert [call.cancelled for call in handle.calls] == [True, False, False, False]
 
 
 def test_a_request_expected_to_miss_the_slo_gets_a_429_saying_so():
@@ -407,5 +415,5 @@ def test_a_request_expected_to_miss_the_slo_gets_a_429_saying_so():
     rejected, in_flight = asyncio.run(go())
     assert rejected.status_code == 429, rejected.text
     message = rejected.json()["error"]["message"]
-    assert "expected time to first token" in message and "5 s target" in message
+    assert "expected time to the whole answer (not streamed)" in message and "5 s target" in message
     assert int(rejected.headers["retry-after"]) >= 1 and in_flight == 0

@@ -232,6 +232,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = 
                    conversations=None, timeout_s: float = 30.0):
     """A DecodeServer without an engine (Ray's __init__ would start one), set up by its own
     ``_setup``; Ray's push orchestration is a stand-in that records what it was given."""
+    from app.deadlines import Deadlines
     from app.planner import PlanSettings
     from app.servers import DecodeServer
     from connector.params import TransferMode
@@ -246,7 +247,8 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = 
         retained=lambda count: None,
     )
     settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
-    server._setup(settings, replica_id="decode-1", tokenizer=None, prefill_timeout_s=timeout_s,
+    deadlines = Deadlines(prefill_floor_s=timeout_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
+    server._setup(settings, replica_id="decode-1", tokenizer=None, deadlines=deadlines,
                   conversations=conversations, metrics=metrics)
     server._prompt_token_ids = lambda request: [0] * prompt_tokens
     server._max_model_len = lambda: 4096
