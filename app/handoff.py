@@ -174,10 +174,11 @@ class Handoff:
             # The deadline is read again when it passes: the prefill router's pick, made meanwhile,
             # adds the work it found queued ahead.
             dispatched = time.monotonic()
-            while not (await asyncio.wait({answer_task}, timeout=max(
-                    0.0, dispatched + self.prefill_deadline_s(request.request_id) - time.monotonic())))[0]:
-                if time.monotonic() >= dispatched + self.prefill_deadline_s(request.request_id):
-                    raise HandoffFailed(f"prefill did not answer within {self.prefill_deadline_s(request.request_id):.0f} s")
+            while not answer_task.done():
+                deadline_s = self.prefill_deadline_s(request.request_id)
+                if (left := dispatched + deadline_s - time.monotonic()) <= 0:
+                    raise HandoffFailed(f"prefill did not answer within {deadline_s:.0f} s, the deadline for its work")
+                await asyncio.wait({answer_task}, timeout=left)
             answer = answer_task.result()
         except BaseException:
             # The deadline passed, the client hung up or the queue deadline passed: prefill stops

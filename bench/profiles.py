@@ -130,17 +130,20 @@ class Profile:
         }
 
 
+# The embedded default's three modes, in run order.
+_CPU_CONFIGS = {
+    Mode.PUSH: "configs/local-cpu.yaml",
+    Mode.PULL: "configs/local-cpu-pull.yaml",
+    Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
+}
+
 PROFILES: dict[str, Profile] = {
     p.name: p
     for p in [
         Profile(
             name="cpu-quick",
             description="2-core laptop, embedded SmolLM2-135M: push vs pull vs one aggregated engine, small load",
-            configs={
-                Mode.PUSH: "configs/local-cpu.yaml",
-                Mode.PULL: "configs/local-cpu-pull.yaml",
-                Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
-            },
+            configs=_CPU_CONFIGS,
             rates={256: (0.1, 0.25), 1024: (0.1, 0.25)},
             output_len=32,
             budget_s=15 * 60,
@@ -154,11 +157,7 @@ PROFILES: dict[str, Profile] = {
             name="cpu-overload-corner",
             description="2-core laptop, embedded SmolLM2-135M: 20 prompts of 1k tokens at 0.5 req/s, past what the box "
             "sustains: every request answered (or refused at arrival), at what throughput against one engine",
-            configs={
-                Mode.PUSH: "configs/local-cpu.yaml",
-                Mode.PULL: "configs/local-cpu-pull.yaml",
-                Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
-            },
+            configs=_CPU_CONFIGS,
             rates={1024: (0.5,)},
             output_len=64,
             budget_s=30 * 60,
@@ -172,11 +171,7 @@ PROFILES: dict[str, Profile] = {
         Profile(
             name="cpu-full",
             description="2-core laptop, embedded SmolLM2-135M: 512-4k inputs, rates up to saturation",
-            configs={
-                Mode.PUSH: "configs/local-cpu.yaml",
-                Mode.PULL: "configs/local-cpu-pull.yaml",
-                Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
-            },
+            configs=_CPU_CONFIGS,
             # "4k" is 3968: prompt + 64 output tokens must fit max_model_len 4096.
             rates={
                 512: (0.05, 0.15, 0.3),

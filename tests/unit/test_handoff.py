@@ -336,3 +336,30 @@ def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefil
     assert chunks == ["late-chunk"] and server.paths == ["remote"]
     assert decoded == [("rdv-7", None, {"remote_block_ids": [3]})]
     assert bound == [("late", True)]
+
+
+@pytest.mark.parametrize("prompt_tokens, route", [(1, Route.FALLBACK), (100, Route.REMOTE)], ids=["short", "long"])
+def test_the_prefill_deadline_is_sized_to_the_legs_work(prompt_tokens, route):
+    """app.deadlines: a 0.05 s floor, prefill at 1,000 tokens/s and a margin of 3. A leg that takes 0.15 s is past
+    the floor: a 1-token prompt (expected 1 ms) falls back at it; a 100-token one (expected 0.1 s, deadline 0.3 s) is
+    waited for. The decode leg tells its engine the matching KV deadline (connector.push_deadline)."""
+    from app.prefill_router import with_prompt_tokens
+    from connector.params import KV_DEADLINE_KEY
+
+    handoff = _handoff(decode_after_s=0.15)
+    handoff.deadlines = Deadlines(prefill_floor_s=0.05, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1000)
+    sent = []
+
+    async def push(request, raw=None):
+        decode_request = _decode_request()
+        async for chunk in handoff.concurrent_decode("completions", decode_request, _Prefill(0.15), None):
+            sent.append(decode_request.kv_transfer_params[KV_DEADLINE_KEY])
+            yield chunk
+
+    handoff._push = push
+    served = Served(Route.REMOTE)
+    request = with_prompt_tokens(CompletionRequest(model="m", prompt="hi", request_id="rdv-1"), prompt_tokens)
+    chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
+    assert (error, served.route) == (None, route)
+    if route is Route.REMOTE:
+        assert chunks == ["d1", "d2"] and sent[0] == pytest.approx(0.3 + 15.0)
