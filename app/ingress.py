@@ -261,10 +261,10 @@ async def timelines_recorded(responses: AsyncIterator, arrived: float, state: An
             timeline = response  # before a whole response, or after a stream's last chunk
             if state is not None and (first_token := timeline.stamps.get(FIRST_TOKEN)) is not None:
                 state.rendezvous_first_token = first_token
-        elif state is not None and (usage := getattr(response, "usage", None)) is not None:
-            state.rendezvous_output_tokens = getattr(usage, "completion_tokens", None)
         elif first_chunk is None and not isinstance(response, (Prefilled, QueueDeadlineMoved)):
             first_chunk = time.time()
+        if state is not None and (usage := getattr(response, "usage", None)) is not None:
+            state.rendezvous_output_tokens = getattr(usage, "completion_tokens", None)
         if timeline is not None and first_chunk is not None:
             # Before the yield: upstream stops reading after a whole (non-streamed) response.
             timeline.stamp(ARRIVED, arrived)

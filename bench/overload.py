@@ -235,7 +235,8 @@ def run_burst(config_path: str, out_dir: Path, load: OverloadLoad, count: int) -
     config = load_config(config_path)
     args, url = app_args_of(config), base_url_of(config)
     with running_app(_arm_config(config_path, "as-is", load, out_dir), url, out_dir / "logs"):
-        asyncio.run(burst(url, args.model.id, load, 4))  # the app has seen a few answers, as a live one has
+        for warm_up in (4, 8):  # the app has seen answers at a few loads, as a live one has: admission has a model
+            asyncio.run(burst(url, args.model.id, load, warm_up))
         outcomes = asyncio.run(burst(url, args.model.id, load, count))
     slo = args.ingress.ttft_slo_s or load.client_timeout_s
     ok = [o for o in outcomes if o.status == 200 and not o.abandoned]

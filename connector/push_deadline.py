@@ -95,6 +95,8 @@ class DeadlineWorker(NixlPushConnectorWorker):
 
     def _release_aborted(self) -> None:
         """Prefill side: tell decode that the registrations of aborted legs will never be written."""
+        if not self._aborted_legs:
+            return  # every step of every engine: nothing to look at
         for rid, registration in list(self._pending_d_registrations.items()):
             if get_base_request_id(rid) not in self._aborted_legs:
                 continue

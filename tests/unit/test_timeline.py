@@ -148,18 +148,25 @@ def test_the_ingress_completes_and_records_a_timeline_before_yielding_a_whole_re
     monkeypatch.setattr(ingress, "record_timeline", recorded.append)
     timeline = RequestTimeline("r", "push", "remote", False, {"decode_received": 10.5, "first_token": 11.0})
 
+    from types import SimpleNamespace
+
+    response = SimpleNamespace(usage=SimpleNamespace(completion_tokens=7))  # a whole answer, with its usage
+    state = SimpleNamespace()
+
     async def decode():
         yield timeline
-        yield "response"
+        yield response
 
     async def first_only():  # upstream reads one item of a non-streamed response, then stops
-        responses = ingress.timelines_recorded(decode(), arrived=10.0)
+        responses = ingress.timelines_recorded(decode(), arrived=10.0, state=state)
         return await responses.__anext__()
 
-    assert asyncio.run(first_only()) == "response"
+    assert asyncio.run(first_only()) is response
     assert recorded == [timeline]
     assert timeline.stamps["arrived"] == 10.0 and timeline.stamps["first_chunk"] >= 11.0
     assert set(timeline.stages()) == {"route", "deliver", "ttft"}  # no prefill stamps came
+    # What admission learns a whole answer's TTFT and TPOT from (app.admission).
+    assert (state.rendezvous_first_token, state.rendezvous_output_tokens) == (11.0, 7)
 
 
 def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
