@@ -118,6 +118,11 @@ class Deadlines:
     def prefill_s(self, own_tokens: int, ahead_tokens: int = 0) -> float:
         return max(self.prefill_floor_s, self.margin * self.expected_s(own_tokens, ahead_tokens))
 
+    @property
+    def kv_floor_s(self) -> float:
+        """handoff.kv_timeout_s: the KV deadline decode's engine applies to a leg that names none."""
+        return self.prefill_floor_s + self.kv_after_prefill_s
+
     def kv_s(self, own_tokens: int, ahead_tokens: int = 0) -> float:
         """Push: from decode's registration to the KV's expiry; always past the prefill deadline."""
         return self.prefill_s(own_tokens, ahead_tokens) + self.kv_after_prefill_s

@@ -238,10 +238,9 @@ class Handoff:
             legs_out.set()
         tokens, _ = self._work.get(request_id, (0, False))
         deadline_s = self.prefill_deadline_s(request_id)  # its prefill replica is picked by now
-        decode_request.kv_transfer_params = {
-            **(decode_request.kv_transfer_params or {}),
-            KV_DEADLINE_KEY: self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0),
-        }
+        kv_s = self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0)
+        if kv_s > self.deadlines.kv_floor_s:  # else the engine's own default (handoff.kv_timeout_s) is the same
+            decode_request.kv_transfer_params = {**(decode_request.kv_transfer_params or {}), KV_DEADLINE_KEY: kv_s}
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
         prefill.add_done_callback(lambda task: self._prefill_done(request_id, task))
         decode = await self._engine(method, decode_request, raw_request_info)

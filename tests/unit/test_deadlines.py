@@ -55,8 +55,8 @@ _SLOW_DAY = [(1000, 5.0), (3398, 29.0)]
     (_SLOW_DAY, 4080, 0, 2 * 39.0, 200.0),
     # Queued behind 3 such prompts on its prefill replica: their work is part of what it is expected to take.
     (_SLOW_DAY, 4080, 3 * 4080, 4 * 39.0 * 2, 600.0),
-    # Nothing measured yet: the assumed 25 tokens/s, slower than any engine, times the margin.
-    ([], 4080, 0, 4080 / 25, 3 * 4080 / 25),
+    # Nothing measured yet: the assumed 100 tokens/s, times the margin.
+    ([], 4080, 0, 4080 / 100, 3 * 4080 / 100),
 ])
 def test_the_prefill_deadline_grows_with_the_work_and_never_falls_below_its_floor(measured, own, ahead, at_least_s, at_most_s):
     deadlines = _deadlines()
