@@ -14,9 +14,11 @@ less than the configured floor:
     queue           = ingress.queue_deadline_s + (margin + 1) * prefill_s(own tokens)  after admission
 
 ``prefill_s`` is :class:`PrefillCost`: learned from the prefill engine's own compute times
-(the legs' stage stamps, ``app.timeline``) as ``a*n + b*n^2`` (attention makes long
-prompts dearer per token), assumed at ``handoff.assumed_prefill_tokens_per_s`` until the first
-leg has been measured. A request that waits behind others is not a failure: the work ahead of
+(the legs' stage stamps, ``app.timeline``) as a line ``base + s_per_token * n``, with admission's
+least squares (``app.admission.fit``: an intercept for each step's overhead, proportional where the
+lengths are too alike for a slope), assumed at ``handoff.assumed_prefill_tokens_per_s`` until enough
+legs have been measured. (A through-origin ``a*n + b*n^2`` fit, tried first, read short prompts'
+per-step overhead as attention's ``n^2`` and gave a 520-token prompt minutes.) A request that waits behind others is not a failure: the work ahead of
 it is part of what it is expected to take. The queue deadline only grows by the request's own
 work: the time a request may *wait* is the setting; the time it takes is its own.
 """
@@ -24,46 +26,11 @@ work: the time a request may *wait* is the setting; the time it takes is its own
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
+from app.admission import Line, fit
 from app.args import HandoffArgs
 
 WINDOW = 16  # prefill legs the cost remembers: recent enough to follow a box that slowed down
-MIN_SPREAD = 0.25  # prompt-length range / mean below which the n^2 term is noise: cost taken as proportional
-
-
-@dataclass(frozen=True)
-class Fitted:
-    """seconds = per_token * n + per_token2 * n^2 (both >= 0)."""
-
-    per_token: float
-    per_token2: float = 0.0
-
-    def seconds(self, tokens: float) -> float:
-        return self.per_token * tokens + self.per_token2 * tokens * tokens
-
-
-def fit_cost(samples: list[tuple[int, float]]) -> Fitted | None:
-    """Least squares through the origin of (tokens, seconds) on ``n`` and ``n^2``; with too
-    little spread in ``n``, or a negative term, the proportional fit. None without samples."""
-    samples = [(n, s) for n, s in samples if n > 0 and s >= 0]
-    if not samples:
-        return None
-    s11 = sum(n * n for n, _ in samples)
-    proportional = Fitted(sum(n * s for n, s in samples) / s11)
-    lengths = [n for n, _ in samples]
-    mean = sum(lengths) / len(lengths)
-    if len(samples) < 2 or max(lengths) - min(lengths) < MIN_SPREAD * mean:
-        return proportional
-    s12 = sum(n ** 3 for n, _ in samples)
-    s22 = sum(n ** 4 for n, _ in samples)
-    t1 = sum(n * s for n, s in samples)
-    t2 = sum(n * n * s for n, s in samples)
-    det = s11 * s22 - s12 * s12
-    if det <= 0:
-        return proportional
-    a, b = (t1 * s22 - t2 * s12) / det, (s11 * t2 - s12 * t1) / det
-    return Fitted(a, b) if a >= 0 and b >= 0 else proportional
 
 
 class PrefillCost:
@@ -72,9 +39,9 @@ class PrefillCost:
     others would make every token look as dear as the whole batch)."""
 
     def __init__(self, assumed_tokens_per_s: float):
-        self._assumed = Fitted(1.0 / assumed_tokens_per_s)
-        self._samples: deque[tuple[int, float]] = deque(maxlen=WINDOW)
-        self._fit: Fitted | None = None
+        self._assumed = Line(0.0, 1.0 / assumed_tokens_per_s)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=WINDOW)
+        self._fit: Line | None = None
 
     @property
     def measured(self) -> bool:
@@ -84,13 +51,13 @@ class PrefillCost:
         """One leg's compute: ``tokens`` computed (no reused history) in ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
-        self._samples.append((tokens, seconds))
-        self._fit = fit_cost(list(self._samples))
+        self._samples.append((float(tokens), seconds))
+        self._fit = fit(list(self._samples))
 
     def seconds(self, tokens: int) -> float:
         if tokens <= 0:
             return 0.0
-        return (self._fit or self._assumed).seconds(tokens)
+        return (self._fit or self._assumed).estimate(tokens)
 
 
 class Deadlines:
