@@ -17,7 +17,11 @@ its fallback, a hang-up, the queue deadline) is never written. Upstream says not
 to decode, whose aborted request then holds its blocks until their expiry, which is sized to
 the request's work and can be minutes under load. So prefill tells decode at once
 (``WONT_WRITE_NOTIF``, to every decode rank of a peer it has handshaken with), and decode
-fails that receive as at its expiry: the blocks go back in a step.
+fails that receive as at its expiry: the blocks go back in a step. A leg that never reached
+prefill's engine (cancelled in a router's queue, or while its replica prepared it) is unknown
+there; so decode, when it aborts a request still waiting for its KV, withdraws the registration
+(the same notification with ``DROP_KEY``, sent after it by the same writer thread): prefill
+then treats that leg as aborted, and answers as above unless the WRITE has begun.
 
 Swapped into vLLM's push scheduler and worker by ``connector.vllm_connectors``.
 """
@@ -28,6 +32,8 @@ import logging
 import time
 from typing import Any
 
+import msgspec
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
@@ -39,6 +45,10 @@ from connector.side_notifs import WONT_WRITE_NOTIF, take
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
 EXPIRES_KEY = "rendezvous_expires_at"  # added to each push registration (wall clock, seconds)
+DROP_KEY = "rendezvous_withdrawn"  # a registration sent again with it: decode aborted that request
+# What a withdrawal keeps of its registration: whom it is for and who sends it (no blocks, no reuse offer).
+_ADDRESSING = ("request_id", "decode_engine_id", "decode_host", "decode_port", "decode_tp_size", "remote_engine_id",
+               "remote_host", "remote_port", "remote_tp_size", "remote_pp_size")
 _ABORTED_KEPT_S = 600.0  # an aborted leg's registration comes within this, or never
 
 
@@ -49,16 +59,30 @@ def registration_expired(registration: dict[str, Any], now: float, margin_s: flo
 
 
 class DeadlineScheduler(NixlPushConnectorScheduler):
-    """Decode side: stamps each registration it stages with an expiry."""
+    """Decode side: stamps each registration it stages with an expiry, and withdraws the
+    registration of a request aborted before its KV landed."""
 
     _kv_timeout_s: float | None = None
+    _registered: dict[str, dict[str, Any]]  # request id -> its registration, until the request ends
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         timeout_s = kv_timeout_of(request.kv_transfer_params, self._kv_timeout_s)  # before vLLM rewrites the params
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         registration = self._push_pending_registrations.get(request.request_id)
-        if registration is not None and timeout_s and EXPIRES_KEY not in registration:
-            registration[EXPIRES_KEY] = time.time() + timeout_s
+        if registration is not None:
+            if timeout_s and EXPIRES_KEY not in registration:
+                registration[EXPIRES_KEY] = time.time() + timeout_s
+            self._registered[request.request_id] = registration
+
+    def request_finished(self, request, block_ids):
+        registration = self._registered.pop(request.request_id, None)
+        result = super().request_finished(request, block_ids)
+        # Nothing computed yet: its KV never landed (vLLM sets the count once it has). The worker
+        # ships it like any registration, after the one it withdraws.
+        if registration is not None and request.num_computed_tokens == 0:
+            withdrawal = {key: registration[key] for key in _ADDRESSING if key in registration}
+            self._push_pending_registrations[request.request_id] = {**withdrawal, DROP_KEY: True}
+        return result
 
 
 class DeadlineWorker(NixlPushConnectorWorker):
@@ -129,9 +153,32 @@ class DeadlineWorker(NixlPushConnectorWorker):
         super()._do_start_push_kv(request_id, local_block_ids, registration_data)
 
     def _handle_push_reg_notif(self, notif: bytes) -> None:
+        if _DROP_MARK in notif and (withdrawn := _withdrawn(notif)) is not None:
+            self._withdraw(withdrawn)  # never to upstream: it would WRITE into the blocks
+            return
         super()._handle_push_reg_notif(notif)
         now = time.time()
         for req_id, registration in list(self._pending_d_registrations.items()):
             if registration_expired(registration, now, WRITE_MARGIN_S):
                 del self._pending_d_registrations[req_id]
         self._release_aborted()  # a registration that came after its leg was aborted
+
+    def _withdraw(self, request_id: str) -> None:
+        """Prefill side: decode aborted ``request_id``: its leg counts as aborted here."""
+        logger.info("decode withdrew its registration for %s", request_id)
+        self._aborted_legs[get_base_request_id(request_id)] = time.monotonic()
+        self._release_aborted()
+
+
+_DROP_MARK = DROP_KEY.encode()
+
+
+def _withdrawn(notif: bytes) -> str | None:
+    """The request id of a withdrawal (a registration with ``DROP_KEY``), else None."""
+    try:
+        registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
+    except Exception:
+        return None
+    if isinstance(registration, dict) and registration.get(DROP_KEY) and isinstance(registration.get("request_id"), str):
+        return registration["request_id"]
+    return None

@@ -158,7 +158,7 @@ SEAMS: list[Seam] = [
         "get_num_new_matched_tokens": _REUSE,
         "update_state_after_alloc": _DEADLINE + _REUSE + _STAGES,
         "update_connector_output": _REUSE + _STAGES,
-        "request_finished": _REUSE + _STAGES,
+        "request_finished": _DEADLINE + _REUSE + _STAGES,
         "build_connector_meta": _IDLE,
     }, "override the scheduler-side connector hooks (same signatures)", checked_by=T_IDLE),
     Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
@@ -348,7 +348,8 @@ SEAMS: list[Seam] = [
          "report prefill's queued stamp", silent=True, checked_by=T_IDLE),
     *_per("vllm", "vllm.v1.request:Request", "instance", {
         "kv_transfer_params": _STAGES + _REUSE,
-        "num_prompt_tokens": _REUSE,
+        "num_prompt_tokens": _STAGES + _REUSE,
+        "num_computed_tokens": _DEADLINE,
         "request_id": _STAGES + _REUSE,
         "status": _IDLE,
     }, "read a request's leg (kv_transfer_params), prompt length, id and state"),

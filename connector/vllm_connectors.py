@@ -125,6 +125,7 @@ class RendezvousPushConnector(NixlPushConnector):
         if self.connector_scheduler is not None:
             self.connector_scheduler.__class__ = PushScheduler
             self.connector_scheduler._kv_timeout_s = float(timeout_s) if timeout_s else None
+            self.connector_scheduler._registered = {}
             self.connector_scheduler.init_reuse()
             self.connector_scheduler.init_idle(vllm_config)
         if self.connector_worker is not None:

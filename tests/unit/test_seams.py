@@ -636,6 +636,7 @@ def test_vllm_push_internals_our_overrides_use():
 
     overrides = [
         (DeadlineScheduler, "update_state_after_alloc"),
+        (DeadlineScheduler, "request_finished"),
         (DeadlineWorker, "start_load_kv"),
         (DeadlineWorker, "get_finished"),
         (DeadlineWorker, "_do_start_push_kv"),
@@ -671,9 +672,17 @@ def test_vllm_push_internals_our_overrides_use():
     ):
         assert f"self.{name}" in worker_source, name
     assert "def _handle_failed_transfer(self, req_id: str, handle: int | None)" in inspect.getsource(base_worker)
-    # Registration fields prefill reads from decode's PUSH_REG payload.
-    for key in ("request_id", "decode_engine_id", "decode_host", "decode_port", "decode_tp_size", "local_block_ids"):
+    # Registration fields prefill reads from decode's PUSH_REG payload (a withdrawal keeps the addressing).
+    from connector.push_deadline import _ADDRESSING
+
+    for key in ("local_block_ids", *_ADDRESSING):
         assert f'"{key}":' in inspect.getsource(push_scheduler), key
+    # A withdrawal: decode's scheduler stages it as a registration, its worker's writer thread sends
+    # each staged one in order; an aborted request waiting for KV has computed nothing (vLLM sets the
+    # count once its KV landed) and reaches the connector's request_finished with its blocks held.
+    assert "self._reg_send_inbox.put((req_id, reg_data))" in inspect.getsource(push_worker.NixlPushConnectorWorker.start_load_kv)
+    assert "request.num_computed_tokens = request.num_tokens - 1" in inspect.getsource(scheduler.Scheduler)
+    assert "delay_free_blocks = (" in inspect.getsource(scheduler.Scheduler.finish_requests)
     # Reuse: vLLM's pull READ, borrowed as is; a None match means "ask again next step";
     # worker metadata reaches the scheduler-side connector; the recompute threshold key.
     assert list(inspect.signature(pull_worker.NixlPullConnectorWorker._read_blocks_for_req).parameters) == ["self", "req_id", "meta"]
