@@ -28,11 +28,10 @@ from app.deadlines import Deadlines
 from app.late_binding import Prefilled
 from app.planner import Route
 from app.prefill_router import said_prompt_tokens
-from app.timeline import LEGS_SENT, PREFILL_ANSWERED, PREFILL_FINISHED, PREFILL_STARTED, RequestTimeline, prefill_tokens_ahead
+from app.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline, prefill_tokens_ahead
 from connector.params import (
     KEEP_HISTORY_KEY,
     KV_DEADLINE_KEY,
-    REUSE_KEY,
     REUSE_REPORT_KEY,
     STAGES_KEY,
     TransferMode,
@@ -81,17 +80,14 @@ class Handoff:
         self._replica_id, self._push, self._prefill, self._backend = replica_id, push, prefill, backend
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
         self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
-        # Request id -> (its prompt tokens, whether its prefill computes them all: a leg that reuses
-        # history computes less, so its compute time says nothing of the cost of a prompt).
-        self._work: dict[str, tuple[int, bool]] = {}
+        self._work: dict[str, int] = {}  # request id -> its prompt tokens, while its handoff runs
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
         """Disaggregated prefill; if the handoff fails before anything reached the client,
         the decode engine prefills the prompt itself (a fresh engine request id: the
         aborted one may still be finishing)."""
-        whole = history is None and not (request.kv_transfer_params or {}).get(REUSE_KEY)
-        self._work[request.request_id] = (said_prompt_tokens(request) or 0, whole)
+        self._work[request.request_id] = said_prompt_tokens(request) or 0
         try:
             async for chunk in self._remote_or_fallback(request, raw_request_info, endpoint, served, history, keep, hand_off):
                 yield chunk
@@ -131,7 +127,7 @@ class Handoff:
     def prefill_deadline_s(self, request_id: str) -> float:
         """The prefill leg's deadline from dispatch: its work and, once its prefill replica is
         picked, the work queued ahead of it there (``app.deadlines``)."""
-        tokens, _ = self._work.get(request_id, (0, False))
+        tokens = self._work.get(request_id, 0)
         return self.deadlines.prefill_s(tokens, prefill_tokens_ahead(request_id) or 0)
 
     async def _first_push_chunk(self, remote: AsyncIterator, request_id: str):
@@ -196,7 +192,6 @@ class Handoff:
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())
             timeline.add_prefill_report(report)
-            self._measured(request.request_id, timeline)
         answer.kv_transfer_params = params
         if REUSE_REPORT_KEY in params:  # the history it READ back landed wrong (connector.pull_checksum)
             self._on_prefill_params(request.request_id, params)
@@ -236,7 +231,7 @@ class Handoff:
             timeline.stamp(LEGS_SENT, time.time())
         if (legs_out := self._legs_out.get(request_id)) is not None:
             legs_out.set()
-        tokens, _ = self._work.get(request_id, (0, False))
+        tokens = self._work.get(request_id, 0)
         deadline_s = self.prefill_deadline_s(request_id)  # its prefill replica is picked by now
         kv_s = self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0)
         if kv_s > self.deadlines.kv_floor_s:  # else the engine's own default (handoff.kv_timeout_s) is the same
@@ -285,16 +280,6 @@ class Handoff:
                 prefill_resp.cancel()
                 prefill.cancel()
 
-    def _measured(self, request_id: str, timeline: RequestTimeline) -> None:
-        """The prefill engine's compute time of a leg that computed its whole prompt and found nothing
-        ahead of it on its replica (computed alone, as far as this replica can tell): a sample of the
-        prefill cost the deadlines are sized by."""
-        tokens, whole = self._work.get(request_id, (0, False))
-        started, finished = timeline.stamps.get(PREFILL_STARTED), timeline.stamps.get(PREFILL_FINISHED)
-        alone = not prefill_tokens_ahead(request_id)
-        if whole and alone and started is not None and finished is not None:
-            self.deadlines.cost.observe(tokens, finished - started)
-
     def _prefill_done(self, request_id: str, prefill: asyncio.Task) -> None:
         """Push: keep what prefill's response reports (reuse; the engine's stage stamps)."""
         if prefill.cancelled() or prefill.exception() is not None:
@@ -304,7 +289,6 @@ class Handoff:
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())
             timeline.add_prefill_report(params.get(STAGES_KEY))
-            self._measured(request_id, timeline)
         self._on_prefill_params(request_id, params)
 
 

@@ -39,7 +39,14 @@ from app.admission import Admission, Decision, Verdict
 from app.args import IngressArgs
 from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.late_binding import Prefilled
-from app.queue_deadline import QueueDeadline, QueueDeadlineMoved, QueueDeadlinePassed, QueueExpired, mark_queue_deadline
+from app.queue_deadline import (
+    RECHECK_S,
+    QueueDeadline,
+    QueueDeadlineMoved,
+    QueueDeadlinePassed,
+    QueueExpired,
+    mark_queue_deadline,
+)
 from app.readiness import RETRY_AFTER_S, ReadinessProbe
 from app.request_fields import DEFAULT_OUTPUT_BUDGET
 from app.timeline import ARRIVED, FIRST_CHUNK, FIRST_TOKEN, RequestTimeline
@@ -341,8 +348,8 @@ class Ingress(OpenAiIngress):
         answer = asyncio.ensure_future(self._answer(body, call_method, raw_request))
         try:
             while True:  # until the first chunk, or the deadline as the decode replica last moved it
-                at = raw_request.state.rendezvous_deadline.at
-                if (await asyncio.wait({answer}, timeout=max(0.0, at - time.time())))[0]:
+                left = raw_request.state.rendezvous_deadline.at - time.time()
+                if (await asyncio.wait({answer}, timeout=max(0.0, min(left, RECHECK_S))))[0]:
                     return answer.result()
                 if time.time() >= raw_request.state.rendezvous_deadline.at:
                     break

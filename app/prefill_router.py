@@ -11,6 +11,9 @@ handle lives in its process), so this router combines:
 * what each ``PrefillServer`` publishes every ``routing.stats_period_s``: the prompt tokens
   of every router's legs in flight there, seconds late on a busy box.
 
+It also hands on what each prefill replica published of its engine's cost
+(``app.deadlines.PUBLISHED``, which this decode replica's deadlines read).
+
 The pipeline and its scorers are ``app.routing``'s, with ``routing.prefill_policy``.
 """
 
@@ -23,8 +26,9 @@ from typing import Any
 
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
+from app.deadlines import published_prefill_costs
 from app.decode_router import count_pick, ranked, snapshot_from_stats
-from app.routing import RouteRequest, RoutingPolicy, pick
+from app.routing import PublishedLoad, RouteRequest, RoutingPolicy, pick
 from app.timeline import record_prefill_pick
 
 logger = logging.getLogger("ray.serve.rendezvous.routing")
@@ -82,6 +86,8 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
             return []
         now = time.time()
         by_id = {str(r.replica_id): r for r in candidate_replicas}
+        published = {rid: PublishedLoad.read(r.routing_stats) for rid, r in by_id.items()}
+        published_prefill_costs({rid: load.prefill_cost for rid, load in published.items() if load and load.prefill_cost})
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         chosen_before = self._in_flight.get(request_id)  # its first pick was full: chosen again
         args = getattr(pending_request, "args", None) or ()

@@ -6,7 +6,9 @@ a queued request). The ingress writes the deadline into the request (``QUEUE_DEA
 
 A stream's deadline is then kept by the ingress: upstream returns a stream's response at its
 first chunk, so the ingress waits for that, until the deadline the decode replica sends back
-first (``QueueDeadlineMoved``). A non-streamed answer comes whole, at the end, so "has it
+first (``QueueDeadlineMoved``), and again if its estimate of the request's work changes before
+the first chunk (a decode replica that had no published prefill cost yet learns it at its
+first prefill pick: ``app.deadlines``). A non-streamed answer comes whole, at the end, so "has it
 started?" can only be told where its engine runs: when the deadline passes with no answer the
 decode replica asks its engine whether the request's first token is out. If not, the request is
 cancelled (the engine aborts it, the handoff its prefill leg) and ``QueueExpired`` goes back in
@@ -30,6 +32,8 @@ logger = logging.getLogger("ray.serve.rendezvous.queue_deadline")
 
 # The request field that carries the deadline (epoch seconds) to the decode replica.
 QUEUE_DEADLINE_FIELD = "rendezvous_queue_deadline"
+RECHECK_S = 1.0  # how often a deadline that may move is read again while nothing came
+MOVED_BY_S = 1.0  # a stream's deadline is sent again when it moved this much
 
 
 @dataclass(frozen=True)
@@ -51,8 +55,8 @@ class QueueExpired:
 
 @dataclass(frozen=True)
 class QueueDeadlineMoved:
-    """Decode replica -> ingress, a stream's first message: its deadline (epoch seconds), grown by
-    the request's own work."""
+    """Decode replica -> ingress, a stream's first message, and another whenever it moves: its deadline
+    (epoch seconds), grown by the request's own work."""
 
     at: float
 
@@ -70,16 +74,17 @@ def queue_deadline_of(request: Any) -> float | None:
 
 
 async def before_queue_deadline(
-    chunks: AsyncIterator[Any], at: float, started: Callable[[], bool], request_id: str
+    chunks: AsyncIterator[Any], at: Callable[[], float], started: Callable[[], bool], request_id: str
 ) -> AsyncIterator[Any]:
-    """``chunks``; but if none has come by ``at`` and ``started()`` says the engine has not
-    produced a first token, they are cancelled and ``QueueExpired`` comes instead. A request
-    that has started by then runs to its end, however long."""
+    """``chunks``; but if none has come by ``at()`` (read again every ``RECHECK_S``) and ``started()``
+    says the engine has not produced a first token, they are cancelled and ``QueueExpired`` comes
+    instead. A request that has started by then runs to its end, however long."""
     it = aiter(chunks)
     first = asyncio.ensure_future(anext(it))
     try:
-        done, _ = await asyncio.wait({first}, timeout=max(0.0, at - time.time()))
-        if not done and not started():
+        while not first.done() and (left := at() - time.time()) > 0:
+            await asyncio.wait({first}, timeout=min(left, RECHECK_S))
+        if not first.done() and not started():
             first.cancel()  # thrown into its await: AsyncLLM.generate aborts the engine request, the handoff its leg
             try:
                 await first  # vLLM's serving layer may answer the cancel with an error response instead of raising
@@ -93,6 +98,31 @@ async def before_queue_deadline(
             return
         try:
             chunk = await first
+        except StopAsyncIteration:
+            return
+    finally:
+        if not first.done():
+            first.cancel()  # the caller went away while waiting
+    yield chunk
+    async for chunk in it:
+        yield chunk
+
+
+async def moving_queue_deadline(chunks: AsyncIterator[Any], at: Callable[[], float]) -> AsyncIterator[Any]:
+    """A stream's ``chunks``, after ``QueueDeadlineMoved(at())``, which comes again while no chunk has
+    come whenever ``at()`` moved by ``MOVED_BY_S`` (the ingress keeps a stream's deadline)."""
+    said = at()
+    yield QueueDeadlineMoved(said)
+    it = aiter(chunks)
+    first = asyncio.ensure_future(anext(it))
+    try:
+        while not first.done():
+            await asyncio.wait({first}, timeout=RECHECK_S)
+            if not first.done() and abs(at() - said) >= MOVED_BY_S:
+                said = at()
+                yield QueueDeadlineMoved(said)
+        try:
+            chunk = first.result()
         except StopAsyncIteration:
             return
     finally:

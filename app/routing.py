@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from app.admission import Line
+
 # Under this key of a replica's routing stats: its PublishedLoad.
 STATS_KEY = "rendezvous"
 
@@ -32,11 +34,14 @@ class PublishedLoad:
     recorded_at: float  # wall clock
     kv_capacity_tokens: int | None = None  # decode
     conversations: tuple[str, ...] = ()  # decode: the most recently served, retained or expired
+    prefill_cost: Line | None = None  # prefill: seconds its engine computes n prompt tokens alone (app.deadlines)
 
     def publish_into(self, stats: dict) -> dict:
+        cost = self.prefill_cost
         stats[STATS_KEY] = {
             "ongoing": self.ongoing, "tokens_in_flight": self.tokens_in_flight, "recorded_at": self.recorded_at,
             "kv_capacity_tokens": self.kv_capacity_tokens, "conversations": list(self.conversations),
+            "prefill_cost": None if cost is None else {"base_s": cost.base_s, "s_per_token": cost.slope},
         }
         return stats
 
@@ -52,7 +57,17 @@ class PublishedLoad:
             recorded_at=float(raw.get("recorded_at") or 0.0),
             kv_capacity_tokens=int(capacity) if capacity else None,
             conversations=tuple(raw.get("conversations") or ()),
+            prefill_cost=_line(raw.get("prefill_cost")),
         )
+
+
+def _line(raw) -> Line | None:
+    """A published cost line, if it is one (another build may publish none)."""
+    try:
+        line = Line(float(raw["base_s"]), float(raw["s_per_token"]))
+    except (TypeError, KeyError, ValueError):
+        return None
+    return line if line.base_s >= 0 and line.slope > 0 else None
 
 
 @dataclass(frozen=True)

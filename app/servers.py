@@ -47,7 +47,7 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PD
 
 from app.args import HandoffArgs, PullHistory
 from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
-from app.deadlines import Deadlines
+from app.deadlines import Deadlines, SoloLegs
 from app.decode_metrics import DecodeMetrics
 from app.eligibility import decode_alone_reason
 from app.handoff import Handoff, Served
@@ -55,7 +55,14 @@ from app.late_binding import Prefilled
 from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
 from app.prefill_router import said_prompt_tokens, with_prompt_tokens
 from app.prompts import load_tokenizer, prompt_token_ids
-from app.queue_deadline import QueueDeadlineMoved, QueueExpired, before_queue_deadline, engine_has_started, queue_deadline_of
+from app.queue_deadline import (
+    QueueDeadlineMoved,
+    QueueExpired,
+    before_queue_deadline,
+    engine_has_started,
+    moving_queue_deadline,
+    queue_deadline_of,
+)
 from app.request_fields import DEFAULT_OUTPUT_BUDGET
 from app.routing import PublishedLoad
 from app.timeline import (
@@ -69,9 +76,9 @@ from app.timeline import (
 )
 from app.turns import TurnBook
 from app.warmup import warm_up
-from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
+from connector.params import REUSE_KEY, STAGES_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.ray_backend import register_backends
-from connector.stages import STAMPS_PID_ENV, DecodeKvStamps, listen_for_decode_stamps
+from connector.stages import STAMPS_PID_ENV, DecodeKvStamps, PrefillStages, listen_for_decode_stamps
 
 logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
 
@@ -84,13 +91,14 @@ _PUBLISHED_CONVERSATIONS = 2000
 
 
 class PrefillServer(PDPrefillServer):
-    """Ray's prefill server, publishing its outstanding prefill work for the prefill
-    router (``app.prefill_router``): the prompt tokens of the legs in flight here."""
+    """Ray's prefill server, publishing for the prefill routers of the decode replicas
+    (``app.prefill_router``) its outstanding prefill work (the prompt tokens of the legs in
+    flight here) and what its engine takes to compute a prompt (``app.deadlines``)."""
 
     async def __init__(self, llm_config, **kwargs):
         await super().__init__(llm_config, **kwargs)
         self._tokenizer = load_tokenizer(llm_config)
-        self._ongoing = 0
+        self._legs = SoloLegs()
         self._tokens_in_flight = 0
         await warm_up(self, llm_config.model_id, "prefill")
 
@@ -105,18 +113,24 @@ class PrefillServer(PDPrefillServer):
         tokens = said_prompt_tokens(request)
         if tokens is None:
             tokens = len(prompt_token_ids(self._tokenizer, request) or ())
-        self._ongoing += 1
+        ticket = self._legs.begin()
         self._tokens_in_flight += tokens
         try:
             async for chunk in chunks:
+                report = (getattr(chunk, "kv_transfer_params", None) or {}).get(STAGES_KEY)
+                if report is not None:  # the engine's, with the last chunk: when it computed the leg
+                    stages = PrefillStages.from_wire(report)
+                    seconds = None if None in (stages.started, stages.finished) else stages.finished - stages.started
+                    self._legs.computed(ticket, stages.computed_tokens, stages.prompt_tokens, seconds)
                 yield chunk
         finally:
-            self._ongoing -= 1
+            self._legs.end()
             self._tokens_in_flight -= tokens
 
     async def record_routing_stats(self) -> dict[str, Any]:
         stats = await super().record_routing_stats() or {}
-        return PublishedLoad(self._ongoing, self._tokens_in_flight, time.time()).publish_into(stats)
+        load = PublishedLoad(self._legs.in_flight, self._tokens_in_flight, time.time(), prefill_cost=self._legs.cost.line)
+        return load.publish_into(stats)
 
 
 class DecodeServer(PDDecodeServer):
@@ -249,11 +263,12 @@ class DecodeServer(PDDecodeServer):
             gen = self._handoff.remote_or_fallback(
                 with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
-        if (deadline := queue_deadline_of(request)) is not None:
-            # The time a request may wait is the setting's; the time it takes to compute is its own.
-            deadline += self._handoff.deadlines.queue_extension_s(prompt_tokens)
+        if (waited := queue_deadline_of(request)) is not None:
+            # The time a request may wait is the setting's; the time it takes to compute is its own, read
+            # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines).
+            deadline = lambda: waited + self._handoff.deadlines.queue_extension_s(prompt_tokens)  # noqa: E731
             if stream:  # the ingress holds a stream's deadline: it moves there
-                gen = _after(QueueDeadlineMoved(deadline), gen)
+                gen = moving_queue_deadline(gen, deadline)
             else:
                 gen = before_queue_deadline(
                     gen, deadline, lambda: self._engine_started(served.fallback_request_id or request_id), request_id)
@@ -321,12 +336,6 @@ class DecodeServer(PDDecodeServer):
             return None
         return cache.num_gpu_blocks * cache.block_size
 
-
-
-async def _after(first, chunks):
-    yield first
-    async for chunk in chunks:
-        yield chunk
 
 
 def _engine_fields(request_id: str, decided: Plan) -> dict[str, Any]:

@@ -122,8 +122,8 @@ class StageClock:
     """Mixin for the connector scheduler (push or pull, either role); put before vLLM's class."""
 
     def _state(self) -> dict[str, Any]:
-        # Swapped in: no __init__ ran. started: prefill leg -> first allocation;
-        # requested: decode request -> blocks allocated for remote KV; timeout: its KV deadline (seconds).
+        # Swapped in: no __init__ ran. started: prefill leg -> (first allocation, prompt tokens, tokens it
+        # computes: less what it reads from elsewhere, a conversation's history); requested: decode request -> blocks allocated for remote KV; timeout: its KV deadline (seconds).
         # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
         return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {}, "timeout": {}})
 
@@ -132,7 +132,8 @@ class StageClock:
         decode_leg = is_decode_leg(kv_params)  # before vLLM clears the flag
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if is_prefill_leg(request.kv_transfer_params):
-            self._state()["started"].setdefault(request.request_id, time.time())
+            prompt = request.num_prompt_tokens
+            self._state()["started"].setdefault(request.request_id, (time.time(), prompt, prompt - num_external_tokens))
         elif decode_leg and num_external_tokens > 0:
             self._state()["requested"].setdefault(request.request_id, time.time())
             self._state()["timeout"][request.request_id] = kv_timeout_of(kv_params, getattr(self, "_kv_timeout_s", None))
@@ -157,14 +158,15 @@ class StageClock:
 
     def request_finished(self, request, block_ids):
         state = self._state()
-        started = state["started"].pop(request.request_id, None)
+        started, prompt, computed = state["started"].pop(request.request_id, None) or (None, None, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         state["blocks"].pop(request.request_id, None)
         state["timeout"].pop(request.request_id, None)
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
         if prefill_leg and isinstance(params, dict):
-            params[STAGES_KEY] = PrefillStages(getattr(request, "arrival_time", None), started, time.time()).to_wire()
+            params[STAGES_KEY] = PrefillStages(getattr(request, "arrival_time", None), started, time.time(), prompt,
+                                              computed).to_wire()
         return delay, params
 
 
@@ -212,6 +214,8 @@ class PrefillStages:
     queued: float | None  # arrived at the engine (vLLM's Request.arrival_time)
     started: float | None  # first scheduled to compute
     finished: float | None
+    prompt_tokens: int | None = None
+    computed_tokens: int | None = None  # the prompt less what was read from elsewhere (history)
 
     def to_wire(self) -> dict[str, Any]:
         return asdict(self)
@@ -220,11 +224,16 @@ class PrefillStages:
     def from_wire(cls, raw: Any) -> PrefillStages:
         """Whatever of it is there and a number (another build may send less)."""
         raw = raw if isinstance(raw, dict) else {}
-        return cls(*(_seconds(raw.get(name)) for name in ("queued", "started", "finished")))
+        return cls(*(_seconds(raw.get(name)) for name in ("queued", "started", "finished")),
+                   *(_tokens(raw.get(name)) for name in ("prompt_tokens", "computed_tokens")))
 
 
 def _seconds(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _tokens(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 def listen_for_decode_stamps(on_stamps: Callable[[DecodeKvStamps], None]) -> socket.socket | None:

@@ -1,4 +1,5 @@
-"""Deadlines sized to the request's work (app/deadlines.py): the cost model, and the ladder it sizes."""
+"""Deadlines sized to the request's work (app/deadlines.py): the cost model a prefill replica learns, what
+the decode replicas read of it, and the ladder it sizes."""
 
 from __future__ import annotations
 
@@ -6,33 +7,75 @@ import pytest
 
 from app.args import HandoffArgs
 from app.admission import MIN_SAMPLES
-from app.deadlines import WINDOW, Deadlines, PrefillCost
+from app.admission import Line
+from app.deadlines import WINDOW, Deadlines, PrefillCost, PublishedCosts, SoloLegs
+
+
+def _learned(legs) -> Line | None:
+    cost = PrefillCost()
+    for tokens, seconds in legs:
+        cost.observe(tokens, seconds)
+    return cost.line
 
 
 def test_short_prompts_overhead_is_not_read_as_attention_cost():
     """Legs of 10 to 30 tokens whose time is mostly each step's overhead: a 520-token prompt is still expected in
     seconds, not minutes (a through-origin n^2 fit made it 93 s and its KV deadline outlived a 300 s client)."""
-    cost = PrefillCost(assumed_tokens_per_s=100)
-    for n, seconds in [(10, 0.1), (30, 0.5)] * (MIN_SAMPLES // 2):
-        cost.observe(n, seconds)
-    assert cost.seconds(520) < 15.0
+    assert _learned([(10, 0.1), (30, 0.5)] * (MIN_SAMPLES // 2)).estimate(520) < 15.0
 
 
-def test_the_cost_is_assumed_until_measured_and_then_follows_the_recent_legs():
-    cost = PrefillCost(assumed_tokens_per_s=25)
-    assert not cost.measured and cost.seconds(1000) == pytest.approx(40.0)
-    for _ in range(MIN_SAMPLES):
+def test_a_prefill_replica_publishes_no_cost_until_measured_and_then_follows_its_recent_legs():
+    cost = PrefillCost()
+    for _ in range(MIN_SAMPLES - 1):
         cost.observe(1000, 2.0)
-    assert cost.measured and cost.seconds(1000) == pytest.approx(2.0)
+    assert cost.line is None
+    cost.observe(1000, 2.0)
+    assert cost.line.estimate(1000) == pytest.approx(2.0)
     for _ in range(WINDOW):  # the box slowed down to half speed: the old legs are forgotten
         cost.observe(1000, 4.0)
-    assert cost.seconds(2000) == pytest.approx(8.0)
+    assert cost.line.estimate(2000) == pytest.approx(8.0)
     cost.observe(0, 1.0), cost.observe(100, 0.0)  # nothing to learn from
-    assert cost.seconds(0) == 0.0
+    assert cost.line.estimate(2000) == pytest.approx(8.0)
 
 
-def _deadlines(**kwargs) -> Deadlines:
-    return Deadlines.of(HandoffArgs(**kwargs))
+def test_a_prefill_replica_learns_only_from_legs_that_had_its_engine_to_themselves_and_computed_all_they_hold():
+    legs = SoloLegs()
+    for _ in range(MIN_SAMPLES):
+        ticket = legs.begin()
+        legs.computed(ticket, 1000, 1000, 2.0)
+        legs.end()
+    assert legs.cost.line.estimate(1000) == pytest.approx(2.0) and legs.in_flight == 0
+    first = legs.begin()
+    second = legs.begin()  # came while the first was in flight: batched with it
+    assert second is None
+    legs.computed(first, 1000, 1000, 9.0)  # the first too: another started before it computed
+    legs.computed(second, 1000, 1000, 9.0)
+    legs.end(), legs.end()
+    late = legs.begin()
+    legs.computed(late, 100, 1000, 9.0)  # read 900 tokens of history back: says nothing of a 1000-token prompt
+    legs.computed(late, None, None, 9.0)  # an engine that does not report them
+    legs.end()
+    assert legs.cost.line.estimate(1000) == pytest.approx(2.0) and legs.in_flight == 0
+
+
+def test_a_decode_replica_assumes_the_cost_until_a_prefill_replica_published_one_then_reads_the_slowest():
+    published = PublishedCosts()
+    deadlines = Deadlines.of(HandoffArgs(assumed_prefill_tokens_per_s=25), published)
+    assert deadlines.cost_s(1000) == pytest.approx(40.0) and deadlines.cost_s(0) == 0.0
+    published.replace({"fast": Line(0.0, 0.001), "slow": Line(0.5, 0.002)})
+    assert deadlines.cost_s(1000) == pytest.approx(2.5)
+    published.replace({"fast": Line(0.0, 0.001)})  # the slow replica is gone
+    assert deadlines.cost_s(1000) == pytest.approx(1.0)
+    published.replace({})
+    assert deadlines.cost_s(1000) == pytest.approx(40.0)
+
+
+def _deadlines(measured=(), **kwargs) -> Deadlines:
+    """Deadlines of a decode replica whose one prefill replica measured ``measured``."""
+    published = PublishedCosts()
+    if (line := _learned(measured)) is not None:
+        published.replace({"prefill": line})
+    return Deadlines.of(HandoffArgs(**kwargs), published)
 
 
 # Measured on this box (2026-12-03, a slow day): 1k tokens in 5 s, 3,398 in 29 s.
@@ -51,17 +94,13 @@ _SLOW_DAY = [(1000, 5.0), (3398, 29.0)] * (MIN_SAMPLES // 2)
     ([], 4080, 0, 4080 / 100, 3 * 4080 / 100 + 1e-9),
 ])
 def test_the_prefill_deadline_grows_with_the_work_and_never_falls_below_its_floor(measured, own, ahead, at_least_s, at_most_s):
-    deadlines = _deadlines()
-    for tokens, seconds in measured:
-        deadlines.cost.observe(tokens, seconds)
+    deadlines = _deadlines(measured)
     assert at_least_s <= deadlines.prefill_s(own, ahead) <= at_most_s
 
 
 @pytest.mark.parametrize("own, ahead", [(30, 0), (1000, 0), (4080, 0), (4080, 8000), (30, 100_000)])
 def test_the_kv_deadline_comes_after_the_prefill_deadline_with_the_writes_allowance(own, ahead):
-    deadlines = _deadlines(prefill_timeout_s=30, kv_timeout_s=45)
-    for tokens, seconds in _SLOW_DAY:
-        deadlines.cost.observe(tokens, seconds)
+    deadlines = _deadlines(_SLOW_DAY, prefill_timeout_s=30, kv_timeout_s=45)
     assert deadlines.kv_s(own, ahead) == pytest.approx(deadlines.prefill_s(own, ahead) + 15.0)
 
 
@@ -70,18 +109,14 @@ def test_a_fallback_always_comes_before_the_queue_deadline(own):
     """With nothing ahead, a remote prefill given up on at its deadline and then computed by decode
     itself (at the measured cost) still answers before the queue deadline (60 s of waiting plus the
     request's own work)."""
-    deadlines = _deadlines()
-    for tokens, seconds in _SLOW_DAY:
-        deadlines.cost.observe(tokens, seconds)
-    fallback_answers_at = deadlines.prefill_s(own) + deadlines.cost.seconds(own)
+    deadlines = _deadlines(_SLOW_DAY)
+    fallback_answers_at = deadlines.prefill_s(own) + deadlines.cost_s(own)
     queue_deadline = 60.0 + deadlines.queue_extension_s(own)
     assert fallback_answers_at < queue_deadline
 
 
 def test_the_queue_deadline_grows_by_the_requests_own_work():
     """A short prompt barely moves it; a long one gets room for its own prefill on a box twice as slow."""
-    deadlines = _deadlines()
-    for _ in range(MIN_SAMPLES):
-        deadlines.cost.observe(1000, 5.0)
+    deadlines = _deadlines([(1000, 5.0)] * MIN_SAMPLES)
     assert deadlines.queue_extension_s(100) < 5.0
     assert deadlines.queue_extension_s(4000) >= 2 * 20.0

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from app.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
 from app.routing import RoutingPolicy
 
@@ -89,13 +91,15 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
 
     from app.servers import PrefillServer
 
+    from app.deadlines import SoloLegs
+
     server = PrefillServer.__new__(PrefillServer)
     server._tokenizer = None  # a leg that says nothing would count 0
-    server._ongoing = server._tokens_in_flight = 0
+    server._legs, server._tokens_in_flight = SoloLegs(), 0
     seen = []
 
     async def engine_chunks():
-        seen.append((server._ongoing, server._tokens_in_flight))
+        seen.append((server._legs.in_flight, server._tokens_in_flight))
         yield "chunk"
 
     async def run(request):
@@ -103,16 +107,20 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
 
     assert asyncio.run(run(with_prompt_tokens(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
     asyncio.run(run(CompletionRequest(model="m", prompt="hi")))
-    assert seen == [(1, 4000), (1, 0)] and (server._ongoing, server._tokens_in_flight) == (0, 0)
+    assert seen == [(1, 4000), (1, 0)] and (server._legs.in_flight, server._tokens_in_flight) == (0, 0)
 
 
-def test_the_pick_time_reaches_the_decode_replica_even_from_a_router_pickled_by_value():
+def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from_a_router_pickled_by_value():
     """Serve pickles the router's module by value (ray.serve.config: register_pickle_by_value): in the replica the
     router's functions get their own globals, so module-level state of app.prefill_router would be a copy. The
     pick must land where app.servers reads it (app.timeline, imported by reference)."""
     from ray import cloudpickle
 
     import app.prefill_router as module
+    from app.admission import Line
+    from app.args import HandoffArgs
+    from app.deadlines import Deadlines
+    from app.routing import PublishedLoad
     from app.timeline import prefill_picked_at
 
     cloudpickle.register_pickle_by_value(module)
@@ -121,7 +129,12 @@ def test_the_pick_time_reaches_the_decode_replica_even_from_a_router_pickled_by_
     finally:
         cloudpickle.unregister_pickle_by_value(module)
     assert choose.__globals__ is not LoadAwarePrefillRouter.choose_replicas.__globals__  # as in a Serve replica
-    asyncio.run(choose(_router(), [_replica("a")], _leg("timed", 100)))
+    published = {"rendezvous": PublishedLoad(0, 0, 1.0, prefill_cost=Line(0.25, 0.002)).publish_into({})["rendezvous"]}
+    asyncio.run(choose(_router(), [_replica("a", published)], _leg("timed", 100)))
     at = prefill_picked_at("timed")
     assert at is not None and at > 0
     assert prefill_picked_at("timed") is None  # read once
+    # What the prefill replicas published of their cost lands where the decode replica's deadlines read it.
+    assert Deadlines.of(HandoffArgs()).cost_s(1000) == pytest.approx(2.25)
+    asyncio.run(choose(_router(), [_replica("b")], _leg("after", 100)))  # replica "a" is gone, "b" publishes none
+    assert Deadlines.of(HandoffArgs()).cost_s(1000) == pytest.approx(1000 / HandoffArgs().assumed_prefill_tokens_per_s)

@@ -1,4 +1,5 @@
-"""The queue deadline of whole (non-streamed) answers, on the decode replica (app.queue_deadline)."""
+"""The queue deadline on the decode replica (app.queue_deadline): enforced there for whole answers, sent
+to the ingress for streams; both read again while the request waits."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ from types import SimpleNamespace
 
 import pytest
 
+import app.queue_deadline as queue_deadline
 from app.queue_deadline import (
+    QueueDeadlineMoved,
     QueueDeadlinePassed,
     QueueExpired,
     before_queue_deadline,
     engine_has_started,
     mark_queue_deadline,
+    moving_queue_deadline,
     queue_deadline_of,
 )
 
@@ -56,18 +60,49 @@ def test_a_whole_answer_not_started_by_its_deadline_is_cancelled(delay_s, starte
 
     async def go():
         at = time.time() + 0.1
-        return [c async for c in before_queue_deadline(engine.generate(), at, has_started, "r1")]
+        return [c async for c in before_queue_deadline(engine.generate(), lambda: at, has_started, "r1")]
 
     assert asyncio.run(go()) == expect
     assert engine.cancelled is cancelled and engine.closed
     assert len(asked) == (0 if delay_s == 0 else 1)  # the engine is asked once, at the deadline
 
 
+def test_a_deadline_that_moves_while_the_request_waits_is_kept_where_it_moved(monkeypatch):
+    """Its work's estimate changed (a decode replica's first prefill pick brings the published prefill cost,
+    app.deadlines): a whole answer is given up on at the new deadline; a stream's ingress is told again."""
+    monkeypatch.setattr(queue_deadline, "RECHECK_S", 0.02)
+    monkeypatch.setattr(queue_deadline, "MOVED_BY_S", 0.5)
+    start = time.time()
+    deadline = {"at": start + 30.0}
+
+    async def moved_soon():
+        await asyncio.sleep(0.1)
+        deadline["at"] = start + 0.2
+
+    async def whole():
+        mover = asyncio.ensure_future(moved_soon())
+        chunks = [c async for c in before_queue_deadline(Engine(30).generate(), lambda: deadline["at"], lambda: False, "r1")]
+        await mover
+        return chunks, time.time() - start
+
+    chunks, took = asyncio.run(whole())
+    assert chunks == [QueueExpired("r1")] and 0.2 <= took < 2.0
+    deadline["at"] = start + 30.0
+
+    async def streamed():
+        mover = asyncio.ensure_future(moved_soon())
+        chunks = [c async for c in moving_queue_deadline(Engine(0.3).generate(), lambda: deadline["at"])]
+        await mover
+        return chunks
+
+    assert asyncio.run(streamed()) == [QueueDeadlineMoved(start + 30.0), QueueDeadlineMoved(start + 0.2), "answer"]
+
+
 def test_a_caller_that_goes_away_while_waiting_cancels_the_request():
     engine = Engine(30)
 
     async def go():
-        task = asyncio.ensure_future(anext(before_queue_deadline(engine.generate(), time.time() + 10, lambda: False, "r1")))
+        task = asyncio.ensure_future(anext(before_queue_deadline(engine.generate(), lambda: time.time() + 10, lambda: False, "r1")))
         await asyncio.sleep(0.05)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

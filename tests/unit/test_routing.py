@@ -142,8 +142,14 @@ def test_the_routers_metrics_use_no_tag_serve_reserves():
 def test_published_load_crosses_the_wire_and_tolerates_what_it_does_not_know():
     from app.routing import STATS_KEY, PublishedLoad
 
+    from app.admission import Line
+
     load = PublishedLoad(3, 1200, 99.0, kv_capacity_tokens=4096, conversations=("a", "b"))
     assert PublishedLoad.read(load.publish_into({"serve": "own"})) == load
+    prefill = PublishedLoad(1, 500, 99.0, prefill_cost=Line(0.2, 0.004))
+    assert PublishedLoad.read(prefill.publish_into({})) == prefill
+    for junk in ("fast", {"base_s": 1.0}, {"base_s": 0.0, "s_per_token": -1.0}):
+        assert PublishedLoad.read({STATS_KEY: {"prefill_cost": junk}}).prefill_cost is None
     assert PublishedLoad.read(None) is None and PublishedLoad.read({STATS_KEY: "junk"}) is None
     # A replica of an older build published fewer fields.
     assert PublishedLoad.read({STATS_KEY: {"ongoing": 1}}) == PublishedLoad(1, 0, 0.0)

@@ -184,12 +184,14 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
         pass
 
     scheduler = Scheduler()
-    leg = SimpleNamespace(request_id="p", arrival_time=50.0, kv_transfer_params={"do_remote_decode": True})
-    scheduler.update_state_after_alloc(leg, None, 0)
+    leg = SimpleNamespace(request_id="p", arrival_time=50.0, num_prompt_tokens=300,
+                          kv_transfer_params={"do_remote_decode": True})
+    scheduler.update_state_after_alloc(leg, None, 200)  # 200 of them read back (a conversation's history)
     scheduler.update_state_after_alloc(leg, None, 0)  # a later chunk: the first start counts
     delay, params = scheduler.request_finished(leg, [[1]])
     report = params[STAGES_KEY]
     assert delay and report["queued"] == 50.0 and report["queued"] < report["started"] <= report["finished"]
+    assert (report["prompt_tokens"], report["computed_tokens"]) == (300, 100)
     decode_request = SimpleNamespace(request_id="d", arrival_time=1.0, kv_transfer_params={"do_remote_prefill": True})
     assert STAGES_KEY not in scheduler.request_finished(decode_request, [[1]])[1]
 
