@@ -16,12 +16,14 @@ less than the configured floor:
 ``prefill_s`` is :class:`PrefillCost`, learned where the prompt is computed: each prefill replica
 fits its own engine's compute times (the legs' stage stamps, ``connector.stages``) as a line
 ``base + s_per_token * n`` with admission's least squares (``app.admission.fit``: an intercept for each
-step's overhead, proportional where the lengths are too alike for a slope), from the legs it computed
+step's overhead, proportional where the lengths are too alike for a slope, or while fewer legs than
+the fit needs were measured), from the legs it computed
 alone (it knows: it counts its own legs; a leg batched with others would make every token look as
 dear as the whole batch), and publishes the line with its load (``app.routing.PublishedLoad``). The
 prefill router of each decode replica keeps what the current prefill replicas published
-(:data:`PUBLISHED`), and the decode replica's deadlines read it: every decode replica knows the cost
-from the legs of all of them, a new one from its first pick on. Before any line is published the cost
+(:data:`PUBLISHED`, at every change Serve hands it), and the decode replica's deadlines read it, again
+while a request waits: every decode replica knows the cost from the legs of all of them, a request
+sent before a measurement is sized by it once it is made. Before any line is published the cost
 is assumed at ``handoff.assumed_prefill_tokens_per_s``. (A through-origin ``a*n + b*n^2`` fit, tried
 first, read short prompts' per-step overhead as attention's ``n^2`` and gave a 520-token prompt
 minutes; a cost each decode replica learned from its own legs did not know of the other decode
@@ -54,7 +56,9 @@ class PrefillCost:
         if tokens <= 0 or seconds <= 0:
             return
         self._samples.append((float(tokens), seconds))
-        self.line = fit(list(self._samples))
+        # Below fit's minimum, the legs' seconds per token: a measurement, however few, beats the assumption
+        # (short legs' per-step overhead makes it dearer per token than a long prompt: the safe side).
+        self.line = fit(list(self._samples)) or Line(0.0, sum(s for _, s in self._samples) / sum(n for n, _ in self._samples))
 
 
 class SoloLegs:

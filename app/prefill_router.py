@@ -69,6 +69,17 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
         self._tokens_sent: Counter = Counter()  # replica id -> prompt tokens of legs sent from here, not completed
         self._in_flight: OrderedDict[str, tuple[str, int]] = OrderedDict()  # internal request id -> (replica, tokens)
 
+    def update_replicas(self, replicas) -> None:
+        # Serve calls it with each change of the replicas' published stats, picks or not: a request
+        # already waiting (its deadlines re-read the cost) learns of a measurement made meanwhile.
+        super().update_replicas(replicas)
+        self._publish_costs(replicas)
+
+    @staticmethod
+    def _publish_costs(replicas) -> None:
+        published = {str(r.replica_id): PublishedLoad.read(r.routing_stats) for r in replicas}
+        published_prefill_costs({rid: load.prefill_cost for rid, load in published.items() if load and load.prefill_cost})
+
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
         self._forget(internal_request_id)
@@ -86,8 +97,6 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
             return []
         now = time.time()
         by_id = {str(r.replica_id): r for r in candidate_replicas}
-        published = {rid: PublishedLoad.read(r.routing_stats) for rid, r in by_id.items()}
-        published_prefill_costs({rid: load.prefill_cost for rid, load in published.items() if load and load.prefill_cost})
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         chosen_before = self._in_flight.get(request_id)  # its first pick was full: chosen again
         args = getattr(pending_request, "args", None) or ()

@@ -517,6 +517,9 @@ SEAMS: list[Seam] = [
         "on_send_request": ("app/decode_router.py",),
         "on_request_completed": _ROUTERS,
     }, "plug into Serve's routing (overridden hooks)"),
+    Seam("ray", f"{_ROUTER}:RequestRouter", "update_replicas", "method", ("app/prefill_router.py",),
+         "hand the prefill cost each replica publishes to the decode replica's deadlines at every change of it, "
+         "not only at picks (overridden)", checked_by=_T + "test_serve_hands_a_router_every_change_of_the_published_stats"),
     Seam("ray", f"{_ROUTER}:RequestRouter", "replica_queue_len_cache", "attribute", _ROUTERS,
          "read Serve's probed queue length per replica (a property of a class in a private module)"),
     Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "args", "attribute", _ROUTERS,

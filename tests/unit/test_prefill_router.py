@@ -126,6 +126,7 @@ def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from
     cloudpickle.register_pickle_by_value(module)
     try:
         choose = cloudpickle.loads(cloudpickle.dumps(LoadAwarePrefillRouter.choose_replicas))
+        publish = cloudpickle.loads(cloudpickle.dumps(LoadAwarePrefillRouter._publish_costs))
     finally:
         cloudpickle.unregister_pickle_by_value(module)
     assert choose.__globals__ is not LoadAwarePrefillRouter.choose_replicas.__globals__  # as in a Serve replica
@@ -134,7 +135,9 @@ def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from
     at = prefill_picked_at("timed")
     assert at is not None and at > 0
     assert prefill_picked_at("timed") is None  # read once
-    # What the prefill replicas published of their cost lands where the decode replica's deadlines read it.
+    # What the prefill replicas published of their cost (Serve hands the router every change of their stats:
+    # update_replicas) lands where the decode replica's deadlines read it.
+    publish([_replica("a", published)])
     assert Deadlines.of(HandoffArgs()).cost_s(1000) == pytest.approx(2.25)
-    asyncio.run(choose(_router(), [_replica("b")], _leg("after", 100)))  # replica "a" is gone, "b" publishes none
+    publish([_replica("b")])  # replica "a" is gone, "b" publishes none
     assert Deadlines.of(HandoffArgs()).cost_s(1000) == pytest.approx(1000 / HandoffArgs().assumed_prefill_tokens_per_s)

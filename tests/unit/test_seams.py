@@ -27,6 +27,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnector
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
 
 import connector.ray_backend as ray_backend
+from connector.upgrade_check import assigned_on_self
 from app.args import AppArgs
 from app.llm_configs import llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
@@ -616,6 +617,18 @@ def test_ray_calls_the_concurrent_decode_we_override():
     assert inspect.iscoroutinefunction(pd_server._drain_prefill)
 
 
+def test_serve_hands_a_router_every_change_of_the_published_stats():
+    """app.prefill_router overrides update_replicas to read the prefill cost the replicas publish: Serve must call it
+    with each replica's latest routing stats, and broadcast a change of the stats alone (it is in the replica's hash)."""
+    from ray.serve._private import common
+    from ray.serve._private.request_router import replica_wrapper, request_router
+
+    shim = inspect.getsource(request_router.RequestRouter._update_running_replicas)
+    assert "wrapper.update_replica_info(r)" in shim and "return self.update_replicas(replica_wrappers)" in shim
+    assert "str(self.routing_stats)" in inspect.getsource(common.RunningReplicaInfo)
+    assert "self._replica_info.routing_stats" in inspect.getsource(replica_wrapper.RunningReplica.routing_stats.fget)
+
+
 # --------------------------------------------------------------------------- push connector overrides (connector/push_deadline.py, push_reuse.py)
 
 
@@ -872,13 +885,6 @@ def _class_sources(cls):
     return [_class_source(klass) for klass in getattr(cls, "__mro__", (cls,)) if klass is not object]
 
 
-def _assigned_on_self(source: str) -> set[str]:
-    """Names a class's source sets on its instances: ``self.x = ...`` or ``self.x: T ...`` at a statement's start,
-    or the last of a tuple assignment (``self.a[k], self.x = (``)."""
-    return (set(re.findall(r"^\s*self\.(\w+)\s*(?:=(?!=)|:\s*\S)", source, re.M))
-            | set(re.findall(r"^\s*self\.[\w.\[\]]+,\s*self\.(\w+)\s*=(?!=)", source, re.M)))
-
-
 def _has_attribute(cls, name: str) -> bool:
     """A class attribute, property, enum member, or an annotated (dataclass, pydantic) field."""
     if hasattr(cls, name):
@@ -903,7 +909,7 @@ def _seam_problem(seam: seams.Seam) -> str | None:
     elif seam.kind == "attribute":
         ok = _has_attribute(obj, name)
     elif seam.kind == "instance":
-        ok = any(name in _assigned_on_self(source) for source in _class_sources(obj))
+        ok = any(name in assigned_on_self(source) for source in _class_sources(obj))
     elif seam.kind == "global":
         ok = hasattr(sys.modules[obj.__module__], name)
     else:
@@ -985,7 +991,7 @@ def test_the_borrowed_pull_read_finds_everything_it_reads_on_the_push_worker():
     assert borrowed, "ReuseWorker borrows nothing from the pull worker any more: update connector/seams.py"
     upstream = [k for k in ReuseWorker.__mro__ if k.__module__.startswith("vllm.")]
     assert NixlPullConnectorWorker not in upstream
-    assigned = set().union(*(_assigned_on_self(_class_source(k)) for k in upstream))
+    assigned = set().union(*(assigned_on_self(_class_source(k)) for k in upstream))
     for name, fn in borrowed.items():
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
         reads = {
@@ -1077,7 +1083,7 @@ def _upstream_private_names() -> dict[str, set[str]]:
         theirs = [k for k in cls.__mro__ if k.__module__.split(".")[0] in UPSTREAM_PACKAGES]
         if not theirs:
             continue
-        upstream_names = set().union(*(vars(k).keys() | _assigned_on_self(_class_source(k)) for k in theirs))
+        upstream_names = set().union(*(vars(k).keys() | assigned_on_self(_class_source(k)) for k in theirs))
         for klass in ours:
             rel_of_klass, names = names_of_class[f"{klass.__module__}.{klass.__qualname__}"]
             for name in names & upstream_names:
