@@ -14,6 +14,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.routing import RoutingPolicy
+from connector.engine_env import ucx_tls_problem
 from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, RECOMPUTE_THRESHOLD_KEY, WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
 
@@ -349,6 +350,9 @@ class AppArgs(_Strict):
                 problems.append(f"{role.value}.gpus must be at least 1 with accelerator 'gpu'")
             if self.accelerator is not Accelerator.GPU and args.gpus:
                 problems.append(f"{role.value}.gpus must be 0 with accelerator '{self.accelerator.value}'")
+            tls = args.env.get("UCX_TLS")
+            if self.accelerator is Accelerator.GPU and "UCX" in self.nixl.backends and tls and (why := ucx_tls_problem(tls)):
+                problems.append(f"{role.value}.env: {why}")
             if not problems:
                 try:
                     self.nixl.port_plan().check_fits(role, args.max_replicas, kwargs.get("data_parallel_size", 1))

@@ -32,14 +32,35 @@ class EngineSettings:
         return cls(role=Role(raw["role"]), ports=PortPlan(**raw["ports"]), env=dict(raw["env"]))
 
 
-def engine_env(*, side_channel_host: str, side_channel_port: int, user_env: Mapping[str, str]) -> dict[str, str]:
+# UCX over loopback/shared memory works on any host for KV in host memory; EFA deployments override.
+HOST_UCX_TLS = "tcp,shm,self"
+
+
+def ucx_tls_problem(value: str) -> str | None:
+    """Why UCX_TLS ``value`` cannot move KV that lives in GPU memory (``kv_buffer_device: cuda``), or None.
+    Without a CUDA transport UCX fails to register device memory, or stages it through host copies over TCP."""
+    transports = [t.strip().lower() for t in value.split(",") if t.strip()]
+    if not transports or transports == ["all"]:
+        return None
+    if transports[0].startswith("^"):  # every transport but these
+        excluded = [transports[0][1:], *transports[1:]]
+        cut = [t for t in excluded if t.startswith("cuda")]
+        return f"UCX_TLS={value} excludes {', '.join(cut)}" if cut else None
+    if any(t.startswith(("cuda", "gdr")) for t in transports):
+        return None
+    return (f"UCX_TLS={value} has no CUDA transport (cuda_copy, cuda_ipc; gdr_copy for GPUDirect), so UCX cannot move "
+            "KV held in GPU memory: add them, use 'all' (UCX picks), or nixl.backends: [LIBFABRIC] for EFA")
+
+
+def engine_env(*, side_channel_host: str, side_channel_port: int, user_env: Mapping[str, str],
+               kv_buffer_device: str = "cpu") -> dict[str, str]:
     env = {
-        # UCX over loopback/shared memory works on any host; EFA deployments override.
-        "UCX_TLS": "tcp,shm,self",
         # Our request ids are fresh UUIDs, so vLLM need not append a random suffix; an
         # exact internal id lets decode's heartbeats extend prefill's block lease.
         "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION": "1",
     }
+    if kv_buffer_device == "cpu":  # on a GPU, UCX's own choice includes the CUDA transports
+        env["UCX_TLS"] = HOST_UCX_TLS
     env.update(user_env)
     # Derived from the port plan; a user value here would break peer addressing.
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = side_channel_host

@@ -95,7 +95,8 @@ class _RendezvousNixlBackend(BaseConnectorBackend):
         # replica this one replaces may still hold it for a few seconds.
         for dp_port in range(port, port + dp_size):
             wait_until_free(dp_port, host, what=f"{role.value} NIXL side-channel", timeout_s=_PORT_WAIT_S)
-        env = engine_env(side_channel_host=host, side_channel_port=port, user_env=settings.env)
+        env = engine_env(side_channel_host=host, side_channel_port=port, user_env=settings.env,
+                         kv_buffer_device=self.kv_transfer_config.get("kv_buffer_device") or "cpu")
         # The one place that writes the engine environment: the engine processes that
         # vLLM spawns next inherit it.
         os.environ.update(env)

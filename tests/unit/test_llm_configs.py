@@ -271,15 +271,39 @@ def test_side_channel_address_cannot_be_overridden(user_env):
 
 
 @pytest.mark.parametrize(
-    "user_env, ucx_tls",
+    "user_env, kv_buffer_device, ucx_tls",
     [
-        ({}, "tcp,shm,self"),
-        ({"UCX_TLS": "rc,cuda_copy"}, "rc,cuda_copy"),
+        ({}, "cpu", "tcp,shm,self"),
+        ({"UCX_TLS": "rc,cuda_copy"}, "cpu", "rc,cuda_copy"),
+        # KV in GPU memory: no host-only default (it would fail to register the KV, or copy it through TCP);
+        # UCX picks, CUDA transports included, unless the config says (and app.args checks what it says).
+        ({}, "cuda", None),
+        ({"UCX_TLS": "rc,cuda_copy,cuda_ipc"}, "cuda", "rc,cuda_copy,cuda_ipc"),
     ],
 )
-def test_ucx_tls_has_a_default_users_may_override(user_env, ucx_tls):
-    env = engine_env(side_channel_host="h", side_channel_port=20000, user_env=user_env)
-    assert env["UCX_TLS"] == ucx_tls
+def test_ucx_tls_default_fits_where_the_kv_lives_and_users_may_override(user_env, kv_buffer_device, ucx_tls):
+    env = engine_env(side_channel_host="h", side_channel_port=20000, user_env=user_env, kv_buffer_device=kv_buffer_device)
+    assert env.get("UCX_TLS") == ucx_tls
+
+
+@pytest.mark.parametrize("ucx_tls, refused", [
+    ("tcp,shm,self", "has no CUDA transport"),
+    ("rc,sm", "has no CUDA transport"),
+    ("^cuda_ipc", "excludes cuda_ipc"),
+    ("rc,cuda_copy,cuda_ipc,gdr_copy", None),
+    ("all", None),
+    ("^tcp", None),
+])
+def test_a_gpu_config_whose_ucx_cannot_move_gpu_memory_is_refused_at_startup(ucx_tls, refused):
+    raw = {"accelerator": "gpu", "prefill": {"gpus": 1, "env": {"UCX_TLS": ucx_tls}}, "decode": {"gpus": 1}}
+    if refused is None:
+        AppArgs.parse(raw)
+        return
+    with pytest.raises(ValueError, match=refused) as err:
+        AppArgs.parse(raw)
+    assert "prefill.env: UCX_TLS=" in str(err.value)
+    AppArgs.parse({**raw, "nixl": {"backends": ["LIBFABRIC"]}})  # UCX_TLS means nothing to LIBFABRIC
+    AppArgs.parse({**raw, "accelerator": "cpu", "prefill": {"env": {"UCX_TLS": ucx_tls}}, "decode": {}})
 
 
 def test_engine_env_defaults_and_pass_through():
