@@ -262,8 +262,8 @@ class HandoffArgs(_Strict):
         "prefill, so that a fallback always comes before the queue deadline's 503."
     )
     assumed_prefill_tokens_per_s: float = Field(
-        100.0, gt=0, description="The prefill rate assumed until a decode replica has measured one (its first prefill "
-        "leg): slow on purpose, so that the first requests are never given up on for their length (the 2-core CPU "
+        100.0, gt=0, description="The prefill rate assumed until a prefill replica has published one (measured from its "
+        "first leg computed alone): slow on purpose, so that the first requests are never given up on for their length (the 2-core CPU "
         "box prefills 4k tokens at ~200 tokens/s, ~45 on a slow day at half speed: the margin covers that); a GPU's "
         "is thousands."
     )
