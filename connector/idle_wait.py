@@ -27,7 +27,9 @@ nothing lets the worker's RPC reader wait on its socket instead of spinning. Not
 steps: the writer's polls take the GIL from the forward pass in the same process (decode's
 time per token). So that the worker knows the engine went idle before it sleeps, the first
 idle step after a busy one never sleeps. Never with data parallel > 1 (ranks step together)
-or pipeline batch queues: there the engine steps as upstream does.
+or a batch queue (async scheduling, a GPU's default, or pipeline parallel: the next step is
+scheduled before the last one's output, landed KV included, is read): there the engine steps
+as upstream does.
 """
 
 from __future__ import annotations
@@ -142,6 +144,12 @@ class EngineWake:
         core = stack_self(lambda obj: isinstance(obj, EngineCoreProc))
         if core is None or isinstance(core, DPEngineCoreProc) or parallel.data_parallel_size > 1:
             logger.info("engine steps while it waits for KV (no engine core process here, or data parallel)")
+            return None
+        if vllm_config.max_concurrent_batches > 1:
+            # A batch queue (async scheduling, on by default on GPUs; pipeline parallel) schedules the next step
+            # before it reads the last one's output: KV that just landed would be seen only after a capped sleep.
+            logger.info("engine steps while it waits for KV (batch queue of %d: async scheduling or pipeline "
+                        "parallel)", vllm_config.max_concurrent_batches)
             return None
         try:
             return cls(core.input_queue, wake_address(engine_id, parallel.data_parallel_rank))

@@ -151,6 +151,9 @@ SEAMS: list[Seam] = [
          "method", _CONNECTORS, "hand reuse offers from the worker to the scheduler (vLLM calls it after each step)"),
     Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnectorWorkerMetadata", "import", _REUSE,
          "carry reuse offers worker -> scheduler (ReuseOffers; aggregate() merges ranks)"),
+    Seam("vllm", "vllm.config.vllm:VllmConfig", "max_concurrent_batches", "attribute", _IDLE,
+         "keep the idle wait off where the engine core runs a batch queue (async scheduling, pipeline parallel)",
+         checked_by="tests/unit/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
     # ------------------------------------------------------------------ vLLM: push scheduler (decode and prefill)
     Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _DEADLINE,
          "subclass the push scheduler (DeadlineScheduler -> ReuseScheduler -> IdleScheduler)"),

@@ -208,3 +208,21 @@ def test_the_first_idle_step_after_a_busy_one_reaches_the_worker_before_the_engi
     assert step(0) is True and waits == []  # first idle step: straight to the worker
     assert step(0) is True and waits == [WAIT_CAP_S]  # then the engine sleeps
     assert step(3) is False and step(0) is True and waits == [WAIT_CAP_S]
+
+
+@pytest.mark.parametrize("max_concurrent_batches, sleeps", [(1, True), (2, False), (3, False)])
+def test_no_idle_wait_where_the_engine_runs_a_batch_queue(max_concurrent_batches, sleeps):
+    """A GPU engine schedules with async scheduling (a batch queue of 2) by default: the next step is scheduled before
+    the last one's output, landed KV included, is read, so a sleep there would only delay the KV. The engine core
+    is vLLM's, found up the stack as in its constructor; the config is the GPU's setting."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    core = EngineCoreProc.__new__(EngineCoreProc)  # only what the wake channel hooks: its input queue
+    core.input_queue = queue.Queue()
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+                             max_concurrent_batches=max_concurrent_batches)
+
+    def scheduler_built_by(self):  # noqa: ARG001 - `self` is what stack_self finds, as in vLLM's EngineCore
+        return EngineWake.for_this_engine(config, f"test-{uuid.uuid4().hex}")
+
+    assert (scheduler_built_by(core) is not None) is sleeps
