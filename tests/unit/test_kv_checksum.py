@@ -131,11 +131,39 @@ def test_mismatches_name_each_region_and_block_that_differs(expected, got, wrong
     assert mismatches(expected, got) == wrong
 
 
-@pytest.mark.parametrize("ids, runs", [([], []), ([4, 5, 6, 2, 3], [(4, 3), (2, 2)]), ([7, 6, 5], [(7, 1), (6, 1), (5, 1)])])
-def test_blocks_are_summed_a_run_of_consecutive_ids_at_a_time(ids, runs):
-    from connector.kv_checksum import _runs
+def _gpu_rank_regions(num_blocks: int) -> list[torch.Tensor]:
+    """One TP-8 rank of an 8-KV-head, 64-layer model in bf16 on 16-token blocks (Qwen3-32B on a P5en): per layer
+    a K and a V region of [blocks, 16 tokens x 1 head x 128 dims x 2 bytes / 8] int64, as KvSumsCheck views them."""
+    block_words = 16 * 1 * 128 * 2 // 8
+    cache = torch.zeros(64 * 2, num_blocks, block_words, dtype=torch.int64)
+    return list(cache.unbind(0))
 
-    assert _runs(ids) == runs
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_the_number_of_tensor_ops_does_not_grow_with_scattered_blocks(parts):
+    """A warm engine hands a 16k-token request 1,024 blocks in reverse order (vLLM frees them so): summed a run of
+    consecutive ids at a time that was ~65k tiny ops per rank, on the writer thread and decode's step loop."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    regions = _gpu_rank_regions(1100)
+    worker = kv_checksum.KvSumsCheck()
+    worker._kv_regions = lambda: regions
+
+    def ops(block_ids) -> int:
+        Ops.count = 0
+        with Ops():
+            sums = worker.kv_part_sums(block_ids, parts)
+        assert sums.shape == (len(regions), len(block_ids), parts)
+        return Ops.count
+
+    assert ops(list(range(1023, -1, -1))) == ops(list(range(16))) == ops([5, 900, 3])
 
 
 def test_the_sums_are_of_each_blocks_bytes_in_the_order_asked():
