@@ -8,9 +8,17 @@ connected agents, idle): 1.99 cores at 0 ms, 0.05 at 1 ms, with the same transfe
 because the thread is woken by the UCX workers' event descriptors, not by the timeout.
 On a 2-core box three such engines took most of the CPU from the engines' real work.
 
+The LIBFABRIC backend (EFA) spins the same way, and worse: its progress thread polls its
+completion queues with ``fi_cq_read`` (opened with ``FI_WAIT_NONE``) and sleeps ``pthrDelay``
+only after a round that found nothing, with no event to wake it (read in NIXL's
+``libfabric_backend.cpp``, ``progressThread``). At 0 that is a core per agent, one agent per
+rank: 8 per engine on a P5en. Its floor is a trade instead: :data:`LIBFABRIC_POLL_US` of idle
+sleep costs a completion that arrives during it at most that long (the thread skips the sleep
+while completions keep coming), and frees all but a sliver of each core.
+
 The delay is fixed inside ``nixl_agent.__init__``, so the only seam is the config class
-it instantiates: we swap in a subclass whose ``pthrDelay`` never goes below
-:data:`PROGRESS_POLL_US`. Pinned in tests/unit/test_seams.py.
+it instantiates: we swap in a subclass whose ``pthrDelay`` never goes below the floor of
+the backends in use (:func:`progress_floor_us`). Pinned in tests/unit/test_seams.py.
 """
 
 from __future__ import annotations
@@ -22,15 +30,24 @@ logger = logging.getLogger("vllm.rendezvous")
 
 # NIXL's own floor for poll() is 1 ms ("at least 1ms", ucx_backend.cpp); 0 disables it.
 PROGRESS_POLL_US = 1000
+# LIBFABRIC wakes on nothing but this timeout: at most 0.1 ms added to a completion that arrives while
+# its thread sleeps (against a GPU TTFT of hundreds of ms), for a thread that no longer spins a core.
+LIBFABRIC_POLL_US = 100
+_FLOORS_US = {"UCX": PROGRESS_POLL_US, "LIBFABRIC": LIBFABRIC_POLL_US}
 
 
-def calm_progress_threads(backends=("UCX",), min_delay_us: int = PROGRESS_POLL_US) -> bool:
-    """Make NIXL agents created from now on in this process wait at least
-    ``min_delay_us`` between progress rounds when idle. True if in effect.
+def progress_floor_us(backends) -> int | None:
+    """The idle delay floor for agents of these backends (one pthrDelay serves all of an agent's), or
+    None where a backend's progress thread is not known to us: left as NIXL sets it."""
+    floors = [_FLOORS_US.get(backend) for backend in backends]
+    return None if not floors or None in floors else min(floors)
 
-    UCX-only agents: only the UCX backend's thread is known to wake on events; another
-    backend's progress thread might rely on the timeout, so it is left as NIXL set it."""
-    if list(backends) != ["UCX"]:
+
+def calm_progress_threads(backends=("UCX",)) -> bool:
+    """Make NIXL agents created from now on in this process wait at least their backends'
+    floor (:func:`progress_floor_us`) between progress rounds when idle. True if in effect."""
+    min_delay_us = progress_floor_us(list(backends))
+    if min_delay_us is None:
         return False
     from vllm.distributed import nixl_utils
 
