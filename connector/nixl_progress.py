@@ -76,3 +76,9 @@ def _config_class(base: type, floor_us: int) -> type:
             base.pthrDelay.__set__(self, max(int(value), self.min_delay_us))
 
     return CalmAgentConfig
+
+
+def reads_cancel(backends) -> bool:
+    """Whether releasing a posted READ's handle cancels it: UCX's does; NIXL's LIBFABRIC backend reports the
+    release as done and leaves posted reads to land (connector.pull_deadline keeps their blocks)."""
+    return list(backends) == ["UCX"]

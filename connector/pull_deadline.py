@@ -10,7 +10,11 @@ recomputes the prompt (``kv_load_failure_policy: recompute``), counted as ``pref
 
 A handle NIXL cannot cancel is not freed (NIXL says so with an error): then the READ may still
 write, so its blocks are not given back; the worker keeps waiting for it and tries again at the
-next step. Only READs that were posted count: one still waiting for its handshake is bounded by
+next step. Only UCX cancels what it releases: NIXL's LIBFABRIC backend answers a release of a
+posted READ with success without cancelling it, so a READ "cancelled" there could still land in
+blocks already recomputed into or reused. On any backend but UCX a posted READ is therefore never
+given up: it keeps its blocks until NIXL reports it done or failed (a READ never posted still
+fails at its deadline). Only READs that were posted count: one still waiting for its handshake is bounded by
 vLLM's own handshake timeout.
 
 Test-only faults (``connector.kv_checksum``'s switch), only where the deadline ends them: ``stall-read``
@@ -37,6 +41,7 @@ class ReadDeadline:
     """Mixin for the pull worker (put before vLLM's class)."""
 
     _read_timeout_s: float | None = None
+    _reads_cancel: bool = True  # a release cancels a posted READ: UCX only (set by connector.vllm_connectors)
 
     def _read_clock(self) -> dict[str, float]:
         # Swapped in: no __init__ ran. Request id -> when its READ was posted (monotonic).
@@ -92,6 +97,12 @@ class ReadDeadline:
                 clock.pop(req_id)  # done or failed already; vLLM reports it in this step
                 continue
             handles = self._recving_transfers.get(req_id, [])
+            if handles and not self._reads_cancel:
+                if req_id not in self._uncancelled():
+                    self._uncancelled().add(req_id)
+                    logger.warning("READ of %s past its deadline: this NIXL backend cannot cancel a posted READ, so "
+                                   "its blocks are kept until it completes or fails", req_id)
+                continue
             while handles:
                 try:
                     self.nixl_wrapper.release_xfer_handle(handles[0])

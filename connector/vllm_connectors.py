@@ -48,7 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 
 from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.kv_checksum import KvChecksums
-from connector.nixl_progress import calm_progress_threads
+from connector.nixl_progress import calm_progress_threads, reads_cancel
 from connector.params import KV_CHECKSUMS_KEY, KV_PEER_TP_KEY, KV_TIMEOUT_KEY
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
 from connector.pull_deadline import ReadDeadline
@@ -163,5 +163,6 @@ class RendezvousPullConnector(NixlPullConnector):
             self.connector_worker._kv_checksums = checksums
             self.connector_worker._kv_peer_tp = int(extra.get(KV_PEER_TP_KEY) or 1)
             self.connector_worker._read_timeout_s = timeout_s
+            self.connector_worker._reads_cancel = reads_cancel(extra.get("backends") or ["UCX"])
 
     build_connector_worker_meta = _worker_meta

@@ -85,6 +85,26 @@ def test_a_late_read_is_cancelled_and_failed_once_nixl_lets_go(clock, steps, can
     assert ("r1" in worker._recving_transfers) == (not failed and not lands)
 
 
+@pytest.mark.parametrize("backends, lands", [(["LIBFABRIC"], False), (["LIBFABRIC"], True), (["UCX", "LIBFABRIC"], False)])
+def test_a_late_read_on_a_backend_that_cannot_cancel_it_keeps_its_blocks_until_nixl_is_done(clock, backends, lands):
+    """NIXL's LIBFABRIC backend answers a release of a posted READ with success and does not cancel it: freed,
+    its blocks would be recomputed into or reused while the READ can still land (silent corruption the checksums
+    never see: they check completed READs)."""
+    from connector.nixl_progress import reads_cancel
+
+    worker = Worker(Nixl([True, True]))  # NIXL would say yes: it must not be asked
+    worker._reads_cancel = reads_cancel(backends)
+    worker._read_blocks_for_req("r1", meta=None)
+    clock[0] += TIMEOUT_S + 1
+    worker.get_finished()
+    clock[0] += 60
+    if lands:
+        worker.land("r1")
+    worker.get_finished()
+    assert worker.nixl_wrapper.released == [] and worker.failed == []
+    assert ("r1" in worker._recving_transfers) is not lands
+
+
 def test_a_read_that_is_never_posted_fails_at_its_deadline(clock, monkeypatch):
     monkeypatch.setattr(pull_deadline, "injected_fault", lambda: "stall-read")
     worker = Worker(Nixl([]))
