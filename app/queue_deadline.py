@@ -96,15 +96,11 @@ async def before_queue_deadline(
             logger.warning("request %s: not started by its queue deadline: aborted", request_id)
             yield QueueExpired(request_id)
             return
-        try:
-            chunk = await first
-        except StopAsyncIteration:
-            return
+        await asyncio.wait({first})  # it started: its first chunk comes however long it takes
     finally:
         if not first.done():
             first.cancel()  # the caller went away while waiting
-    yield chunk
-    async for chunk in it:
+    async for chunk in _first_then_the_rest(first, it):
         yield chunk
 
 
@@ -121,13 +117,19 @@ async def moving_queue_deadline(chunks: AsyncIterator[Any], at: Callable[[], flo
             if not first.done() and abs(at() - said) >= MOVED_BY_S:
                 said = at()
                 yield QueueDeadlineMoved(said)
-        try:
-            chunk = first.result()
-        except StopAsyncIteration:
-            return
     finally:
         if not first.done():
             first.cancel()  # the caller went away while waiting
+    async for chunk in _first_then_the_rest(first, it):
+        yield chunk
+
+
+async def _first_then_the_rest(first: asyncio.Future, it: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """The chunk ``first`` (a done ``anext(it)``) got, unless the stream had ended, then the rest of ``it``."""
+    try:
+        chunk = first.result()
+    except StopAsyncIteration:
+        return
     yield chunk
     async for chunk in it:
         yield chunk
