@@ -202,13 +202,27 @@ class EngineGauges:
         """``role``'s engines were stopped on purpose and run again: their silence counts from now."""
         self.last_seen[role] = time.monotonic()
 
-    def wait_idle(self, timeout_s: float) -> None:
-        """Until every role's last report is no request and no KV block held, or it stopped stepping."""
+    def kv_held_now(self) -> dict[str, float]:
+        """Each role's KV in use right now (0 for a role not reporting): what a step of a test must give back
+        is what it took on top of this. An earlier step can leave blocks held until their own deadline: a
+        request registered with a prefill engine that was killed keeps its blocks until the registration's
+        expiry, sized to the work that was queued (connector.push_deadline; docs/runbook.md)."""
+        snap = self.client.metrics.snapshot()
+        return {role: float(snap.get(role, {}).get("kv_cache_usage_perc", 0.0)) for role in self.roles}
+
+    def wait_idle(self, timeout_s: float, kv_held_before: dict[str, float] | None = None) -> None:
+        """Until every role's last report is no request and no more KV held than ``kv_held_before`` (none by
+        default), or it stopped stepping."""
         deadline = time.monotonic() + timeout_s
+        held = kv_held_before or {}
+
+        def idle(role: str, values: dict[str, float]) -> bool:
+            return (values.get("num_requests_running") == values.get("num_requests_waiting") == 0.0
+                    and values.get("kv_cache_usage_perc", 1.0) <= held.get(role, 0.0))
+
         while True:
             busy = {role: dict(values) for role, values in self.latest.items()
-                    if [values.get(k) for k in IDLE_GAUGES] != [0.0] * 3
-                    and time.monotonic() - self.last_seen[role] < self.SILENT_S}
+                    if not idle(role, values) and time.monotonic() - self.last_seen[role] < self.SILENT_S}
             if not busy:
                 return
             assert time.monotonic() < deadline, f"engines not idle after {timeout_s:g} s; last reported: {busy}"
