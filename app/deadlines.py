@@ -50,15 +50,19 @@ class PrefillCost:
     def __init__(self) -> None:
         self._samples: deque[tuple[float, float]] = deque(maxlen=WINDOW)
         self.line: Line | None = None
+        self.fitted = False  # the line is a least-squares fit, not the few legs' seconds per token
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One leg's compute: ``tokens`` computed in ``seconds``."""
         if tokens <= 0 or seconds <= 0:
             return
         self._samples.append((float(tokens), seconds))
-        # Below fit's minimum, the legs' seconds per token: a measurement, however few, beats the assumption
-        # (short legs' per-step overhead makes it dearer per token than a long prompt: the safe side).
-        self.line = fit(list(self._samples)) or Line(0.0, sum(s for _, s in self._samples) / sum(n for n, _ in self._samples))
+        fitted = fit(list(self._samples))
+        # Below fit's minimum, the legs' seconds per token, provisional: a short leg's per-step overhead makes
+        # it far dearer per token than a long prompt's, so the decode replicas take it only where it is
+        # faster than their assumption (Deadlines.cost_s).
+        self.line = fitted or Line(0.0, sum(s for _, s in self._samples) / sum(n for n, _ in self._samples))
+        self.fitted = fitted is not None
 
 
 class SoloLegs:
@@ -88,25 +92,27 @@ class SoloLegs:
 
 
 class PublishedCosts:
-    """The cost lines the current prefill replicas published, as this process's prefill router last
-    saw them (it replaces them all at each pick: a replica that is gone is forgotten)."""
+    """The cost lines the current prefill replicas published, each with whether it is a fit, as this
+    process's prefill router last saw them (a replica that is gone is forgotten)."""
 
     def __init__(self) -> None:
-        self._lines: dict[str, Line] = {}
+        self._lines: dict[str, tuple[Line, bool]] = {}
 
-    def replace(self, lines: dict[str, Line]) -> None:
+    def replace(self, lines: dict[str, tuple[Line, bool]]) -> None:
         self._lines = dict(lines)
 
-    def seconds(self, tokens: int) -> float | None:
-        """The slowest replica's estimate (the leg may go to any of them); None before any published."""
-        return max((line.estimate(tokens) for line in self._lines.values()), default=None)
+    def seconds(self, tokens: int, assumed: Line) -> float | None:
+        """The slowest replica's estimate (the leg may go to any of them), a provisional line's no slower than
+        ``assumed``; None before any published."""
+        return max((line.estimate(tokens) if fitted else min(line.estimate(tokens), assumed.estimate(tokens))
+                    for line, fitted in self._lines.values()), default=None)
 
 
 # One per process: the prefill router (``app.prefill_router``) writes it, the decode replica's deadlines read it.
 PUBLISHED = PublishedCosts()
 
 
-def published_prefill_costs(lines: dict[str, Line]) -> None:
+def published_prefill_costs(lines: dict[str, tuple[Line, bool]]) -> None:
     """The prefill router's way in: Serve pickles the router's module by value, so an object it imported
     would be a copy in the replica; this function, pickled by reference, reaches the real one."""
     PUBLISHED.replace(lines)
@@ -134,7 +140,7 @@ class Deadlines:
         """The prefill of ``tokens`` prompt tokens alone: as published, else as assumed."""
         if tokens <= 0:
             return 0.0
-        published = self._published.seconds(tokens)
+        published = self._published.seconds(tokens, self._assumed)
         return published if published is not None else self._assumed.estimate(tokens)
 
     def expected_s(self, own_tokens: int, ahead_tokens: int = 0) -> float:

@@ -81,6 +81,7 @@ class Handoff:
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
         self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
         self._work: dict[str, int] = {}  # request id -> its prompt tokens, while its handoff runs
+        self._kv_given_up_at: dict[str, float] = {}  # push: request id -> when decode's engine gives up its KV
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
@@ -93,6 +94,12 @@ class Handoff:
                 yield chunk
         finally:
             self._work.pop(request.request_id, None)
+            self._kv_given_up_at.pop(request.request_id, None)
+
+    def kv_given_up_at(self, request_id: str) -> float | None:
+        """Push, once the legs went out: when decode's engine gives up waiting for the KV (wall clock). Fixed
+        then, in the leg; the request's queue deadline must leave room after it for decode's recompute."""
+        return self._kv_given_up_at.get(request_id)
 
     async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history, keep,
                                   hand_off):
@@ -236,6 +243,7 @@ class Handoff:
         kv_s = self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0)
         if kv_s > self.deadlines.kv_floor_s:  # else the engine's own default (handoff.kv_timeout_s) is the same
             decode_request.kv_transfer_params = {**(decode_request.kv_transfer_params or {}), KV_DEADLINE_KEY: kv_s}
+        self._kv_given_up_at[request_id] = time.time() + max(kv_s, self.deadlines.kv_floor_s)
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
         prefill.add_done_callback(lambda task: self._prefill_done(request_id, task))
         decode = await self._engine(method, decode_request, raw_request_info)

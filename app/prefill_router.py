@@ -78,7 +78,8 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
     @staticmethod
     def _publish_costs(replicas) -> None:
         published = {str(r.replica_id): PublishedLoad.read(r.routing_stats) for r in replicas}
-        published_prefill_costs({rid: load.prefill_cost for rid, load in published.items() if load and load.prefill_cost})
+        published_prefill_costs({rid: (load.prefill_cost, load.prefill_cost_fitted)
+                                 for rid, load in published.items() if load and load.prefill_cost})
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)

@@ -35,13 +35,15 @@ class PublishedLoad:
     kv_capacity_tokens: int | None = None  # decode
     conversations: tuple[str, ...] = ()  # decode: the most recently served, retained or expired
     prefill_cost: Line | None = None  # prefill: seconds its engine computes n prompt tokens alone (app.deadlines)
+    prefill_cost_fitted: bool = False  # ... a least-squares fit, not a few legs' seconds per token
 
     def publish_into(self, stats: dict) -> dict:
         cost = self.prefill_cost
         stats[STATS_KEY] = {
             "ongoing": self.ongoing, "tokens_in_flight": self.tokens_in_flight, "recorded_at": self.recorded_at,
             "kv_capacity_tokens": self.kv_capacity_tokens, "conversations": list(self.conversations),
-            "prefill_cost": None if cost is None else {"base_s": cost.base_s, "s_per_token": cost.slope},
+            "prefill_cost": None if cost is None else {"base_s": cost.base_s, "s_per_token": cost.slope,
+                                                       "fitted": self.prefill_cost_fitted},
         }
         return stats
 
@@ -50,14 +52,15 @@ class PublishedLoad:
         raw = (routing_stats or {}).get(STATS_KEY)
         if not isinstance(raw, Mapping):
             return None
-        capacity = raw.get("kv_capacity_tokens")
+        capacity, cost = raw.get("kv_capacity_tokens"), raw.get("prefill_cost")
         return cls(
             ongoing=int(raw.get("ongoing") or 0),
             tokens_in_flight=int(raw.get("tokens_in_flight") or 0),
             recorded_at=float(raw.get("recorded_at") or 0.0),
             kv_capacity_tokens=int(capacity) if capacity else None,
             conversations=tuple(raw.get("conversations") or ()),
-            prefill_cost=_line(raw.get("prefill_cost")),
+            prefill_cost=_line(cost),
+            prefill_cost_fitted=isinstance(cost, Mapping) and cost.get("fitted") is True,
         )
 
 

@@ -129,7 +129,9 @@ class PrefillServer(PDPrefillServer):
 
     async def record_routing_stats(self) -> dict[str, Any]:
         stats = await super().record_routing_stats() or {}
-        load = PublishedLoad(self._legs.in_flight, self._tokens_in_flight, time.time(), prefill_cost=self._legs.cost.line)
+        cost = self._legs.cost
+        load = PublishedLoad(self._legs.in_flight, self._tokens_in_flight, time.time(), prefill_cost=cost.line,
+                             prefill_cost_fitted=cost.fitted)
         return load.publish_into(stats)
 
 
@@ -264,9 +266,16 @@ class DecodeServer(PDDecodeServer):
                 with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
         if (waited := queue_deadline_of(request)) is not None:
-            # The time a request may wait is the setting's; the time it takes to compute is its own, read
-            # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines).
-            deadline = lambda: waited + self._handoff.deadlines.queue_extension_s(prompt_tokens)  # noqa: E731
+            def deadline() -> float:
+                # The time a request may wait is the setting's; the time it takes to compute is its own, read
+                # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines). A
+                # push KV deadline was fixed when the legs went out: decode's recompute after it comes first.
+                deadlines = self._handoff.deadlines
+                at = waited + deadlines.queue_extension_s(prompt_tokens)
+                if (kv_given_up := self._handoff.kv_given_up_at(request_id)) is not None:
+                    at = max(at, kv_given_up + deadlines.margin * deadlines.cost_s(prompt_tokens))
+                return at
+
             if stream:  # the ingress holds a stream's deadline: it moves there
                 gen = moving_queue_deadline(gen, deadline)
             else:

@@ -65,19 +65,36 @@ def test_a_decode_replica_assumes_the_cost_until_a_prefill_replica_published_one
     published = PublishedCosts()
     deadlines = Deadlines.of(HandoffArgs(assumed_prefill_tokens_per_s=25), published)
     assert deadlines.cost_s(1000) == pytest.approx(40.0) and deadlines.cost_s(0) == 0.0
-    published.replace({"fast": Line(0.0, 0.001), "slow": Line(0.5, 0.002)})
+    published.replace({"fast": (Line(0.0, 0.001), True), "slow": (Line(0.5, 0.002), True)})
     assert deadlines.cost_s(1000) == pytest.approx(2.5)
-    published.replace({"fast": Line(0.0, 0.001)})  # the slow replica is gone
+    published.replace({"fast": (Line(0.0, 0.001), True)})  # the slow replica is gone
     assert deadlines.cost_s(1000) == pytest.approx(1.0)
     published.replace({})
     assert deadlines.cost_s(1000) == pytest.approx(40.0)
+
+
+@pytest.mark.parametrize("legs, expected_s", [
+    # A first leg of 20 tokens in 1 s is mostly a step's overhead: read as 50 ms a token it would give a
+    # 550-token prompt 27 s and a KV deadline past the queue deadline (CI, TP 3 -> 1). The assumption stands.
+    ([(20, 1.0)], 550 / 25),
+    # Long legs measured faster than the assumption: taken at once (a burst waited on the assumption: CI).
+    ([(1500, 4.5), (3400, 10.0)], 550 * 14.5 / 4900),
+])
+def test_a_provisional_cost_is_taken_only_where_it_is_faster_than_the_assumption(legs, expected_s):
+    cost = PrefillCost()
+    for tokens, seconds in legs:
+        cost.observe(tokens, seconds)
+    assert not cost.fitted
+    published = PublishedCosts()
+    published.replace({"prefill": (cost.line, cost.fitted)})
+    assert Deadlines.of(HandoffArgs(assumed_prefill_tokens_per_s=25), published).cost_s(550) == pytest.approx(expected_s)
 
 
 def _deadlines(measured=(), **kwargs) -> Deadlines:
     """Deadlines of a decode replica whose one prefill replica measured ``measured``."""
     published = PublishedCosts()
     if (line := _learned(measured)) is not None:
-        published.replace({"prefill": line})
+        published.replace({"prefill": (line, len(measured) >= MIN_SAMPLES)})
     return Deadlines.of(HandoffArgs(**kwargs), published)
 
 

@@ -130,7 +130,7 @@ def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from
     finally:
         cloudpickle.unregister_pickle_by_value(module)
     assert choose.__globals__ is not LoadAwarePrefillRouter.choose_replicas.__globals__  # as in a Serve replica
-    published = {"rendezvous": PublishedLoad(0, 0, 1.0, prefill_cost=Line(0.25, 0.002)).publish_into({})["rendezvous"]}
+    published = {"rendezvous": PublishedLoad(0, 0, 1.0, prefill_cost=Line(0.25, 0.002), prefill_cost_fitted=True).publish_into({})["rendezvous"]}
     asyncio.run(choose(_router(), [_replica("a", published)], _leg("timed", 100)))
     at = prefill_picked_at("timed")
     assert at is not None and at > 0

@@ -146,8 +146,10 @@ def test_published_load_crosses_the_wire_and_tolerates_what_it_does_not_know():
 
     load = PublishedLoad(3, 1200, 99.0, kv_capacity_tokens=4096, conversations=("a", "b"))
     assert PublishedLoad.read(load.publish_into({"serve": "own"})) == load
-    prefill = PublishedLoad(1, 500, 99.0, prefill_cost=Line(0.2, 0.004))
+    prefill = PublishedLoad(1, 500, 99.0, prefill_cost=Line(0.2, 0.004), prefill_cost_fitted=True)
     assert PublishedLoad.read(prefill.publish_into({})) == prefill
+    provisional = PublishedLoad(1, 500, 99.0, prefill_cost=Line(0.0, 0.004))
+    assert PublishedLoad.read(provisional.publish_into({})) == provisional
     for junk in ("fast", {"base_s": 1.0}, {"base_s": 0.0, "s_per_token": -1.0}):
         assert PublishedLoad.read({STATS_KEY: {"prefill_cost": junk}}).prefill_cost is None
     assert PublishedLoad.read(None) is None and PublishedLoad.read({STATS_KEY: "junk"}) is None
