@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -56,7 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
 from connector.stages import DecodeKvStamps, KvFailure, send_stamps
-from connector.sum_ranks import expected_for_rank, parts_for, why_unpaired
+from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -64,6 +65,7 @@ FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
 FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
+SUMS_WAIT_S = 2.0  # how long a receive that landed before its senders' sums waits for them (then: unchecked)
 
 
 class KvSums(msgspec.Struct, frozen=True):
@@ -206,13 +208,22 @@ class KvSumsCheck:
 
     def _pop_done_transfers(self, transfers):
         done = super()._pop_done_transfers(transfers)
-        if transfers is not getattr(self, "_recving_transfers", None) or not done:
+        if transfers is not getattr(self, "_recving_transfers", None):
             return done
+        # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most.
+        awaited = self.__dict__.setdefault("_rendezvous_sums_awaited", {})
+        done |= set(awaited)
+        now = time.monotonic()
         for req_id in list(done):
             meta = self._recving_metadata.get(req_id)
             if meta is None or len(meta.local_physical_block_ids) != 1:
+                awaited.pop(req_id, None)
                 continue
             history = self._reading_history(req_id, meta)
+            if self._sums_due(req_id, history) and now - awaited.setdefault(req_id, now) < SUMS_WAIT_S:
+                done.discard(req_id)
+                continue
+            awaited.pop(req_id, None)
             checked = self._landed_right(req_id, meta, history)
             if checked is not False:
                 continue
@@ -227,6 +238,10 @@ class KvSumsCheck:
 
     def _reading_history(self, req_id: str, meta) -> bool:
         """Whether this receive is a conversation's history read back by prefill (not a prompt's KV on decode)."""
+        return False
+
+    def _sums_due(self, req_id: str, history: bool) -> bool:
+        """Whether some of this receive's senders' sums are still on their way (then the check waits for them)."""
         return False
 
     def _expected_sums(self, req_id: str, meta, history: bool) -> np.ndarray | None:
@@ -341,6 +356,14 @@ class KvChecksums(KvSumsCheck):
         expected, _ = expected_for_rank({rank: sums[:, columns] for rank, sums in offered.by_rank.items()},
                                         sender_tp=offered.decode_tp, reader_tp=self.world_size, reader_rank=self.tp_rank)
         return expected  # None where a decode rank's offer did not come: nothing to check against
+
+    def _sums_due(self, req_id: str, history: bool) -> bool:
+        # Each decode rank registers alone, and the READ starts on the first offer: a lagging rank's offer, with
+        # its sums, can come after the READ landed (seen: decode TP 3, on a busy box). Unchecked is not an answer.
+        offered = self.__dict__.get("_rendezvous_history_sums", {}).get(_history_key(req_id)) if history else None
+        if offered is None:
+            return False
+        return not set(sender_ranks(offered.decode_tp, self.world_size, self.tp_rank)) <= set(offered.by_rank)
 
     # ---------------------------------------------------------------- decode: sums of the history it offers
     def _do_send_reg_notif(self, req_id, reg_data):

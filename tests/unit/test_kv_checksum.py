@@ -384,3 +384,61 @@ def test_a_history_read_back_between_different_tp_sizes_is_checked_against_every
         prefill._recving_transfers[rid] = []
         done = prefill._pop_done_transfers(prefill._recving_transfers)
         assert done == (set() if corrupt and rank == prefill_tp - 1 else {rid})
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_a_history_that_lands_before_a_decode_ranks_offer_waits_for_it_then_is_checked(corrupt, monkeypatch):
+    """Each decode rank registers alone, and prefill's READ starts on the first offer: on a busy box the last
+    decode rank's offer (with its sums) came after the READ landed, and the history went unchecked (TP 1 <- 3:
+    a corrupted one was reused). Here TP 1 <- 2. The check waits for every rank it reads from, kv_checksum.SUMS_WAIT_S at most."""
+    from connector.push_reuse import OFFER_KEY
+    from connector.side_notifs import HISTORY_READ_ID
+
+    now = [100.0]
+    monkeypatch.setattr(kv_checksum.time, "monotonic", lambda: now[0])
+    decodes = [Worker("decode", seed=70 + r, tp_rank=r, world_size=2) for r in range(2)]
+    prefill = Worker("prefill", seed=80)
+    for decode in decodes:
+        decode._do_send_reg_notif("chatcmpl-rdv-7-0a1b2c3d", {
+            "request_id": "chatcmpl-rdv-7-0a1b2c3d", "decode_tp_size": 2, "remote_tp_size": 1,
+            OFFER_KEY: {"block_ids": [3, 1, 4], "num_tokens": 48}})
+        if moved := chunks_moved(2, decode.tp_rank, 1, 0):
+            for mine, src in zip(prefill.device_kv_caches.values(), decode.device_kv_caches.values()):
+                mine[:, [6, 7], moved[1]] = src[:, [3, 1], moved[0]]
+    if corrupt:
+        next(iter(prefill.device_kv_caches.values()))[1, 7, 0] += 1.0
+    rid = "chatcmpl-rdv-7-9f8e7d6c"
+    for decode in decodes[:1]:  # the second rank's offer is late
+        prefill._handle_push_reg_notif(decode.registrations_sent[0])
+    prefill._recving_metadata[rid] = SimpleNamespace(
+        local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
+        remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
+    prefill._recving_transfers[rid] = []
+    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()  # landed: its check waits
+    now[0] += kv_checksum.SUMS_WAIT_S / 2
+    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()
+    prefill._handle_push_reg_notif(decodes[1].registrations_sent[0])
+    assert prefill._pop_done_transfers(prefill._recving_transfers) == (set() if corrupt else {rid})
+    assert list(prefill._failed_recv_reqs.queue) == ([rid] if corrupt else [])
+
+
+def test_a_history_whose_decode_rank_never_offers_is_given_up_on_after_the_wait(monkeypatch):
+    from connector.push_reuse import OFFER_KEY
+    from connector.side_notifs import HISTORY_READ_ID
+
+    now = [100.0]
+    monkeypatch.setattr(kv_checksum.time, "monotonic", lambda: now[0])
+    decode = Worker("decode", seed=90, tp_rank=0, world_size=2)
+    decode._do_send_reg_notif("chatcmpl-rdv-8-0a1b2c3d", {
+        "request_id": "chatcmpl-rdv-8-0a1b2c3d", "decode_tp_size": 2, "remote_tp_size": 1,
+        OFFER_KEY: {"block_ids": [3, 1], "num_tokens": 32}})
+    prefill = Worker("prefill", seed=91)
+    prefill._handle_push_reg_notif(decode.registrations_sent[0])
+    rid = "chatcmpl-rdv-8-9f8e7d6c"
+    prefill._recving_metadata[rid] = SimpleNamespace(
+        local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
+        remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
+    prefill._recving_transfers[rid] = []
+    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()
+    now[0] += kv_checksum.SUMS_WAIT_S + 0.1
+    assert prefill._pop_done_transfers(prefill._recving_transfers) == {rid}  # unchecked, as before: not held forever
