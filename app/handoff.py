@@ -81,7 +81,10 @@ class Handoff:
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
         self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
         self._work: dict[str, int] = {}  # request id -> its prompt tokens, while its handoff runs
-        self._kv_given_up_at: dict[str, float] = {}  # push: request id -> when decode's engine gives up its KV
+        # Push: request id -> when decode's engine gives up its KV, fixed in the leg when it went out; and those
+        # whose prefill answered (only then is the KV due: a leg still queued behind others is waiting).
+        self._kv_given_up_at: dict[str, float] = {}
+        self._kv_due: set[str] = set()
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
@@ -95,11 +98,13 @@ class Handoff:
         finally:
             self._work.pop(request.request_id, None)
             self._kv_given_up_at.pop(request.request_id, None)
+            self._kv_due.discard(request.request_id)
 
     def kv_given_up_at(self, request_id: str) -> float | None:
-        """Push, once the legs went out: when decode's engine gives up waiting for the KV (wall clock). Fixed
-        then, in the leg; the request's queue deadline must leave room after it for decode's recompute."""
-        return self._kv_given_up_at.get(request_id)
+        """Push, once prefill answered: when decode's engine gives up waiting for the KV (wall clock), fixed in
+        the leg when it went out. The request is no longer queued: its queue deadline must leave room after this
+        for decode's recompute (a share of the KV that never lands is the ladder's, not the queue's)."""
+        return self._kv_given_up_at.get(request_id) if request_id in self._kv_due else None
 
     async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history, keep,
                                   hand_off):
@@ -293,6 +298,8 @@ class Handoff:
         if prefill.cancelled() or prefill.exception() is not None:
             return
         params = prefill.result()[1] or {}
+        if request_id in self._kv_given_up_at:
+            self._kv_due.add(request_id)
         timeline = self._timelines.get(request_id)
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())

@@ -268,8 +268,8 @@ class DecodeServer(PDDecodeServer):
         if (waited := queue_deadline_of(request)) is not None:
             def deadline() -> float:
                 # The time a request may wait is the setting's; the time it takes to compute is its own, read
-                # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines). A
-                # push KV deadline was fixed when the legs went out: decode's recompute after it comes first.
+                # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines). Once
+                # prefill answered, the push KV deadline fixed in the leg, and decode's recompute, come first.
                 deadlines = self._handoff.deadlines
                 at = waited + deadlines.queue_extension_s(prompt_tokens)
                 if (kv_given_up := self._handoff.kv_given_up_at(request_id)) is not None:
