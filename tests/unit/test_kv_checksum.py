@@ -163,7 +163,11 @@ def test_the_number_of_tensor_ops_does_not_grow_with_scattered_blocks(parts):
         assert sums.shape == (len(regions), len(block_ids), parts)
         return Ops.count
 
-    assert ops(list(range(1023, -1, -1))) == ops(list(range(16))) == ops([5, 900, 3])
+    gathered = ops(list(range(1023, -1, -1)))
+    assert gathered == ops(list(range(15, -1, -1))) == ops(list(range(0, 1024, 2)))  # more runs than MAX_RUNS
+    assert ops(list(range(1024))) == ops(list(range(16)))  # one run: summed in place
+    bound = (4 * kv_checksum.MAX_RUNS + 4) * len(regions)  # a constant: ops a region, whatever the block count
+    assert max(gathered, ops([5, 900, 3]), ops(list(range(1024)))) <= bound
 
 
 def test_the_sums_are_of_each_blocks_bytes_in_the_order_asked():
