@@ -3,11 +3,12 @@ before decode computes with them.
 
 The worst failure of NIXL P/D is not a crash but a 200 with garbage: KV written to the wrong blocks,
 a mapping mismatch, a partial write counted as complete. Just before each WRITE the prefill worker
-sums every (layer region, block) descriptor it sends (the int64 sum of its bytes, on the device
-that holds it) and sends the sums to its peer decode worker in one NIXL notification
-(``KV_SUMS_NOTIF``; the same endpoint carries the WRITE's completion afterwards, so the sums come
-first). When decode's worker sees the receive complete it sums what landed in its own blocks and
-compares. A mismatch fails the load the way vLLM's own transfer failures do: the blocks are
+digests every block it sends (one int64 word a block: its layer regions' sums of bytes, weighed,
+``KvSumsCheck.kv_digest_job``; on the device that holds them) and sends the digests to its peer
+decode worker in one NIXL notification (``KV_SUMS_NOTIF``; the same endpoint carries the WRITE's
+completion afterwards, so they come first). When decode's worker sees the receive complete it
+digests what landed in its own blocks (on a GPU without waiting for the device: the receive is
+held until the digests are in) and compares. A mismatch fails the load the way vLLM's own transfer failures do: the blocks are
 reported invalid and vLLM recomputes the prompt on decode (``kv_load_failure_policy: recompute``),
 so the client still gets a correct answer; decode's replica counts it as ``prefill="kv_mismatch"``
 (a datagram, ``connector.stages``) and the worker logs which descriptors disagreed.
@@ -18,12 +19,12 @@ prefill checks what its READ landed, and on a mismatch recomputes the history (v
 path again) and reports the turn as ``kv_mismatch`` (``ReuseReason.MISMATCH``).
 
 Catches: flipped or stale bytes in any block of any layer, a WRITE into shifted blocks, a write
-that never happened. Not a permutation of bytes inside one descriptor (a sum is order-blind).
+that never happened. Not a permutation of words inside one descriptor (a sum is order-blind).
 Between different TP sizes too (``connector.sum_ranks``): a prefill rank that WRITEs to several
 decode ranks sums each block in as many chunks and sends each rank its chunk's sums; a decode rank
 that several prefill ranks WRITE to adds up their sums. Checked where block sizes and physical
-blocks per logical block match, with one KV cache group and no host buffer; elsewhere the sums are
-not sent and nothing is checked (logged once). A history read back likewise: each decode rank
+blocks per logical block match, with one KV cache group (KV staged through host memory is checked
+in the host buffers NIXL moves); elsewhere the sums are not sent and nothing is checked (logged once). A history read back likewise: each decode rank
 registers its offer alone, with the sums of its share, and prefill combines them. Pull mode's READs, a prompt's and a
 history's read back, are checked the same way on landing (``KvSumsCheck``); the sums travel with
 the requests instead (``connector.pull_checksum``).
@@ -73,8 +74,8 @@ class KvSums(msgspec.Struct, frozen=True):
     """Prefill worker -> each decode worker it WRITEs to, just before the WRITE."""
 
     request_id: str  # decode's
-    regions: int
-    sums: bytes  # int64, [regions, blocks], blocks in decode's order: of the chunk of our blocks this rank gets
+    regions: int  # 1: a block's layer regions are folded into its digest (KvSumsCheck.kv_digest_job)
+    sums: bytes  # int64 digests, [1, blocks], blocks in decode's order: of the chunk of our blocks this rank gets
     producers: int = 1  # prefill ranks that WRITE into each of decode's blocks: their sums add up (sum_ranks)
 
 
@@ -84,7 +85,75 @@ class _Offered:
 
     block_ids: list[int]
     decode_tp: int
-    by_rank: dict[int, np.ndarray] = field(default_factory=dict)  # decode rank -> [regions, blocks, parts]
+    by_rank: dict[int, np.ndarray] = field(default_factory=dict)  # decode rank -> [1, blocks, parts] digests
+
+
+@dataclass
+class _Checking:
+    """A receive whose landed blocks are being digested, to compare with ``expected``."""
+
+    expected: np.ndarray  # [1, blocks]
+    job: DigestJob
+    history: bool
+
+
+class DigestJob:
+    """Digests on their way to the host. On a GPU they are computed on a side stream (ordered after the
+    work already queued on the engine's stream) and copied to pinned memory, so a hook on the step
+    loop's thread never waits for the device: it asks :meth:`ready` at each step instead. Elsewhere
+    (CPU, or a device without streams) they are computed at once."""
+
+    def __init__(self, host, event=None, keep=None):
+        self._host, self._event, self._keep = host, event, keep
+
+    @classmethod
+    def of(cls, compute, device) -> DigestJob:
+        import torch
+
+        if getattr(device, "type", "cpu") != "cuda":
+            return cls(compute())
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            digests = compute()
+            host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
+            host.copy_(digests, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return cls(host, event, keep=digests)
+
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def result(self) -> np.ndarray:
+        """The digests, [1, blocks, parts] int64 (waits for the device if they are not ready)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy()
+
+
+_SIDE_STREAMS: dict = {}  # device -> the stream digests are computed on
+_WEIGHTS: dict = {}  # (regions, device) -> region_weights
+_MASK = (1 << 64) - 1
+
+
+def region_weights(regions: int, device):
+    """One odd 64-bit weight a layer region (as int64), the same on every engine: splitmix64 of its index."""
+    import torch
+
+    key = (regions, str(device))
+    if key not in _WEIGHTS:
+        words = []
+        for index in range(regions):
+            z = (index * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & _MASK
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+            word = (z ^ (z >> 31)) | 1
+            words.append(word - (1 << 64) if word >= 1 << 63 else word)
+        _WEIGHTS[key] = torch.tensor(words, dtype=torch.int64, device=device)
+    return _WEIGHTS[key]
 
 
 @dataclass
@@ -116,8 +185,8 @@ def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
 
 
 class KvSumsCheck:
-    """Mixin for a NIXL worker (put before vLLM's class): sums of blocks, and the check of a receive
-    against the sums its sender computed (``_expected``, filled by the mode's own mixin)."""
+    """Mixin for a NIXL worker (put before vLLM's class): digests of blocks, and the check of a receive
+    against the digests its sender computed (``_expected``, filled by the mode's own mixin)."""
 
     _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
 
@@ -143,13 +212,17 @@ class KvSumsCheck:
     def _build_kv_regions(self):
         import torch
 
-        if self._has_mamba or self.use_host_buffer or getattr(self, "_is_hma_required", False):
+        if self._has_mamba or getattr(self, "_is_hma_required", False):
             return None
         blocks_data, num_blocks = np.asarray(self.src_blocks_data), self.num_blocks
         if num_blocks < 2 or len(blocks_data) != self.num_regions * num_blocks:
             return None
+        # What NIXL moves: the host staging buffers where KV goes through host memory (kv_buffer_device
+        # "cpu" on a device that NIXL cannot register, e.g. Neuron). A receive is checked there, before
+        # vLLM copies it to the device; the copies between device and host are vLLM's and not checked.
+        registered = self.host_xfer_buffers if self.use_host_buffer else self.device_kv_caches
         storages = {}
-        for cache in self.device_kv_caches.values():
+        for cache in registered.values():
             storage = cache.untyped_storage()
             storages[storage.data_ptr()] = (storage, cache.device)
         regions = []
@@ -171,18 +244,34 @@ class KvSumsCheck:
         return regions
 
     def kv_sums(self, block_ids) -> np.ndarray | None:
-        """[regions, len(block_ids)] int64 sums of these (kernel) blocks' bytes, or None if not covered."""
+        """[1, len(block_ids)] int64 digests of these (kernel) blocks' bytes, or None if not covered."""
         sums = self.kv_part_sums(block_ids)
         return None if sums is None else sums[:, :, 0]
 
     def kv_part_sums(self, block_ids, parts: int = 1) -> np.ndarray | None:
-        """[regions, len(block_ids), parts] int64 sums of each block's ``parts`` equal chunks (the KV
-        heads of as many ranks of a bigger TP: connector.sum_ranks), or None if not covered.
+        """[1, len(block_ids), parts] int64 digests of each block's ``parts`` equal chunks (the KV heads
+        of as many ranks of a bigger TP: connector.sum_ranks), or None if not covered. Synchronous:
+        for where the caller must have them now (before a WRITE, in a registration, in a step's output)."""
+        job = self.kv_digest_job(block_ids, parts)
+        return None if job is None else job.result()
+
+    def kv_digest_job(self, block_ids, parts: int = 1) -> DigestJob | None:
+        """The digests of :meth:`kv_part_sums`, computed without making the caller wait for the device
+        (on a GPU: on a side stream, copied to pinned host memory; :meth:`DigestJob.ready` says when).
+
+        A block's digest is the sum of its layer regions' int64 sums, each times an odd weight of its
+        region (:func:`region_weights`), all wrapping: one word a block, not one a (region, block), so
+        a 16k-token request's digests on 16-token blocks are 8 KiB a rank where the sums of a 64-layer
+        model's regions were 512 KiB. It is linear, like the sums: chunks' and ranks' digests add up to
+        a block's (connector.sum_ranks). A change to one region's bytes that changes its sum changes the
+        digest (an odd weight is invertible modulo 2**64); changes in several regions that cancel out
+        would go unseen, which the weights make as unlikely as a 64-bit collision for anything but an
+        adversary.
+
         A few runs of consecutive ids are summed in place (the bytes read once, never copied); more
         than :data:`MAX_RUNS` take one gather and one sum per region: a warm engine hands a request
         blocks freed in reverse order, and a sum per run made a 16k-token request on a GPU's 16-token
-        blocks ~65k tiny ops per rank (docs/results/kv-checksum-gpu-geometry.json: 614 ms against
-        127 ms on this CPU; for consecutive blocks the gather's copy costs 126 ms against 47)."""
+        blocks ~65k tiny ops per rank (docs/results/kv-checksum-gpu-geometry.json)."""
         import torch
 
         regions = self._kv_regions()
@@ -190,14 +279,21 @@ class KvSumsCheck:
             return None
         ids = list(block_ids)
         if not ids:
-            return np.zeros((len(regions), 0, parts), dtype=np.int64)
+            return DigestJob.of(lambda: torch.zeros((1, 0, parts), dtype=torch.int64), regions[0].device)
         runs = _runs(ids)
-        if len(runs) <= MAX_RUNS:
-            return torch.stack([torch.cat([region[start:start + n].reshape(n, parts, -1).sum(dim=2) for start, n in runs])
-                                for region in regions]).cpu().numpy()
-        index = torch.as_tensor(ids, dtype=torch.long, device=regions[0].device)
-        return torch.stack([region.index_select(0, index).reshape(len(ids), parts, -1).sum(dim=2)
-                            for region in regions]).cpu().numpy()
+
+        def digests():
+            if len(runs) <= MAX_RUNS:
+                sums = torch.stack([torch.cat([region[start:start + n].reshape(n, parts, -1).sum(dim=2)
+                                               for start, n in runs]) for region in regions])
+            else:
+                index = torch.as_tensor(ids, dtype=torch.long, device=regions[0].device)
+                sums = torch.stack([region.index_select(0, index).reshape(len(ids), parts, -1).sum(dim=2)
+                                    for region in regions])
+            weights = region_weights(len(regions), regions[0].device)
+            return (sums * weights.view(-1, 1, 1)).sum(dim=0, keepdim=True)
+
+        return DigestJob.of(digests, regions[0].device)
 
     def _warn_once(self, what: object, message: str, *args) -> None:
         """A warning logged once per worker for ``what``: why a kind of transfer goes unchecked (it stays so)."""
@@ -217,22 +313,32 @@ class KvSumsCheck:
         done = super()._pop_done_transfers(transfers)
         if transfers is not getattr(self, "_recving_transfers", None):
             return done
-        # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most.
+        # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most. Landed and
+        # being summed (on a GPU: on a side stream): looked at again each step until the digests are in.
         awaited = self.__dict__.setdefault("_rendezvous_sums_awaited", {})
-        done |= set(awaited)
+        checking: dict[str, _Checking] = self.__dict__.setdefault("_rendezvous_checking", {})
+        done |= set(awaited) | set(checking)
         now = time.monotonic()
         for req_id in list(done):
             meta = self._recving_metadata.get(req_id)
             if meta is None or len(meta.local_physical_block_ids) != 1:
                 awaited.pop(req_id, None)
+                checking.pop(req_id, None)
                 continue
-            history = self._reading_history(req_id, meta)
-            if self._sums_due(req_id, history) and now - awaited.setdefault(req_id, now) < SUMS_WAIT_S:
-                done.discard(req_id)
+            history = self._reading_history(req_id, meta) if req_id not in checking else checking[req_id].history
+            if req_id not in checking:
+                if self._sums_due(req_id, history) and now - awaited.setdefault(req_id, now) < SUMS_WAIT_S:
+                    done.discard(req_id)
+                    continue
+                awaited.pop(req_id, None)
+                started = self._start_check(req_id, meta, history)
+                if started is None:
+                    continue  # nothing to check against
+                checking[req_id] = started
+            if not checking[req_id].job.ready():
+                done.discard(req_id)  # the device is still summing: vLLM sees the receive at a later step
                 continue
-            awaited.pop(req_id, None)
-            checked = self._landed_right(req_id, meta, history)
-            if checked is not False:
+            if self._landed_right(req_id, checking.pop(req_id)):
                 continue
             done.discard(req_id)
             self._invalid_block_ids.put(set(meta.local_block_ids[0]))
@@ -252,11 +358,12 @@ class KvSumsCheck:
         return False
 
     def _expected_sums(self, req_id: str, meta, history: bool) -> np.ndarray | None:
-        """The sender's sums of what this receive should have landed, in the order of its blocks."""
+        """The sender's digests of what this receive should have landed, in the order of its blocks."""
         return self._expected().pop(req_id, None)
 
-    def _landed_right(self, req_id: str, meta, history: bool) -> bool | None:
-        """Whether the KV this receive landed is what the sender summed; None if there is nothing to check."""
+    def _start_check(self, req_id: str, meta, history: bool) -> _Checking | None:
+        """The digests of what this receive landed, started (not waited for), and what they should be;
+        None if there is nothing to check against."""
         blocks = list(meta.local_physical_block_ids[0])
         expected = self._expected_sums(req_id, meta, history)
         if expected is None:
@@ -265,14 +372,18 @@ class KvSumsCheck:
         if blocks and self._kv_regions() and fault == ("flip-history" if history else "flip"):
             self._kv_regions()[0][blocks[0], 0] ^= 0xFF
             logger.warning("fault injection: a byte of %s's first block flipped after it landed", req_id)
-        got = self.kv_sums(blocks)
-        if got is None:
-            return None
-        wrong = mismatches(expected, got)
+        job = self.kv_digest_job(blocks)
+        return None if job is None else _Checking(expected, job, history)
+
+    def _landed_right(self, req_id: str, check: _Checking) -> bool:
+        """Whether the KV this receive landed is what the sender digested (its digests are ready)."""
+        got = check.job.result()[:, :, 0]
+        wrong = mismatches(check.expected, got)
         if wrong:
-            logger.warning("KV of %s landed wrong%s: %d of %d (layer region, block) sums differ, first %s; %s",
-                           req_id, " (history read back from decode)" if history else "", len(wrong), expected.size,
-                           wrong[:3], "prefill recomputes the history" if history else "decode recomputes the prompt")
+            logger.warning("KV of %s landed wrong%s: %d of %d blocks' digests differ, first at block positions %s; %s",
+                           req_id, " (history read back from decode)" if check.history else "", len(wrong),
+                           check.expected.size, [block for _, block in wrong[:3]],
+                           "prefill recomputes the history" if check.history else "decode recomputes the prompt")
         return not wrong
 
 

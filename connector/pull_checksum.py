@@ -6,7 +6,7 @@ pull, prefill never talks to decode's agent, so the sums travel with the request
 
 1. Prefill's scheduler tells its workers, in the step's connector metadata, which prefill legs
    complete their prompt in this step and in which blocks (``SUM_BLOCKS_ATTR``).
-2. After the forward pass each worker sums those blocks, per (layer region, block) as push does,
+2. After the forward pass each worker digests those blocks, one word a block as push does,
    and hands them back in the step's worker metadata (:class:`PulledSums`, one entry per TP rank).
 3. The scheduler puts them into the ``kv_transfer_params`` that ``request_finished`` returned for
    the same request in the same step, under ``KV_SUMS_KEY``: vLLM calls ``request_finished`` and
@@ -59,8 +59,8 @@ READ_BACK = "read_back"  # in an EXPECTED_ATTR payload: the READ is a conversati
 
 @dataclass
 class PulledSums(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: request id -> TP rank -> [regions, blocks] int64 sums ([regions, blocks,
-    parts] where each block is summed in ``parts`` chunks for a reader of a bigger TP:
+    """Workers -> scheduler: request id -> TP rank -> [1, blocks, parts] int64 digests (each block
+    digested in ``parts`` chunks for a reader of a bigger TP, 1 otherwise:
     connector.sum_ranks), the workers' (TP size, kernel block size, physical blocks per logical
     block), and the prefill legs whose history READ landed wrong."""
 

@@ -196,9 +196,10 @@ SEAMS: list[Seam] = [
            "sends its PUSH_REG)",
            checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("src_blocks_data", "num_regions", "num_blocks", "device_kv_caches", "_has_mamba",
-                             "use_host_buffer", "transfer_topo", "_invalid_block_ids", "_failed_recv_reqs", "world_size",
-                             "tp_rank"), "instance", _CHECKSUM,
-           "sum each (region, block) descriptor NIXL transfers, in the memory it registered; fail a receive that "
+                             "use_host_buffer", "host_xfer_buffers", "transfer_topo", "_invalid_block_ids",
+                             "_failed_recv_reqs", "world_size", "tp_rank"), "instance", _CHECKSUM,
+           "digest each block of the descriptors NIXL transfers, in the memory it registered (the host buffers where "
+           "KV is staged through host memory); fail a receive that "
            "landed wrong the way vLLM fails one", checked_by=T_CHECKSUM),
     *_per("vllm", "vllm.distributed.kv_transfer.kv_connector.utils:EngineTransferInfo", "attribute", {
         "remote_tp_size": _CHECKSUM + _READ_DEADLINE, "remote_block_size": _CHECKSUM,

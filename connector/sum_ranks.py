@@ -7,7 +7,7 @@ offsets a READ or WRITE by ``rank_offset_factor`` chunks; ``_build_local_splits_
 chunk ``fa_slot`` of a bigger block from each smaller one; seams in ``connector.seams``).
 
 A block's sum (its int64 words, wrapping: numpy and torch both do) is the sum of its chunks'
-sums. So a reader rank that holds the heads of ``k`` sender ranks expects the sum of their ``k``
+sums, and so is its digest (connector.kv_checksum: a weighed sum of its regions' sums, linear too). So a reader rank that holds the heads of ``k`` sender ranks expects the sum of their ``k``
 block sums, and a reader rank that holds a ``1/k`` chunk of a sender rank's block expects that
 chunk's sum, which the sender must have summed apart: it sums every block in ``parts_for(...)``
 chunks. Equal TP sizes are the case ``k = 1``, with nothing to add and no chunk to cut.

@@ -64,10 +64,20 @@ class Upstream:
 
     def _xfer_blocks_for_req(self, req_id, meta):  # the WRITE: region by region, block by block
         for peer, ours, its in self.targets or [(self.peer, slice(None), slice(None))]:
-            for mine, theirs in zip(self.device_kv_caches.values(), peer.device_kv_caches.values()):
+            for mine, theirs in zip(self.registered().values(), peer.registered().values()):
                 for local, remote in zip(meta.local_physical_block_ids[0][-len(meta.remote.block_ids[0]):],
                                          meta.remote.block_ids[0]):
                     theirs[:, remote, its] = mine[:, local, ours]
+
+    def registered(self) -> dict:
+        """The memory NIXL moves: the host staging buffers where vLLM uses them."""
+        return self.host_xfer_buffers if self.use_host_buffer else self.device_kv_caches
+
+    def stage_through_host(self) -> None:
+        """kv_buffer_device "cpu" on a device NIXL cannot register (Neuron): NIXL moves host buffers, registered
+        in the descriptors; the device caches hold other bytes until vLLM copies them over."""
+        self.use_host_buffer, self.host_xfer_buffers = True, self.device_kv_caches
+        self.device_kv_caches = {name: torch.zeros_like(cache) for name, cache in self.host_xfer_buffers.items()}
 
     def _get_new_notifs(self):
         return set()
@@ -156,28 +166,44 @@ def test_the_number_of_tensor_ops_does_not_grow_with_scattered_blocks(parts):
     worker = kv_checksum.KvSumsCheck()
     worker._kv_regions = lambda: regions
 
+    worker.kv_part_sums([0], parts)  # the regions' weights are made once, at the first use
+
     def ops(block_ids) -> int:
         Ops.count = 0
         with Ops():
             sums = worker.kv_part_sums(block_ids, parts)
-        assert sums.shape == (len(regions), len(block_ids), parts)
+        assert sums.shape == (1, len(block_ids), parts)
         return Ops.count
 
     gathered = ops(list(range(1023, -1, -1)))
     assert gathered == ops(list(range(15, -1, -1))) == ops(list(range(0, 1024, 2)))  # more runs than MAX_RUNS
     assert ops(list(range(1024))) == ops(list(range(16)))  # one run: summed in place
-    bound = (4 * kv_checksum.MAX_RUNS + 4) * len(regions)  # a constant: ops a region, whatever the block count
+    bound = (4 * kv_checksum.MAX_RUNS + 4) * len(regions) + 8  # a constant: ops a region, whatever the block count
     assert max(gathered, ops([5, 900, 3]), ops(list(range(1024)))) <= bound
 
 
-def test_the_sums_are_of_each_blocks_bytes_in_the_order_asked():
+def test_a_blocks_digest_is_its_regions_sums_weighed_by_odd_words_in_the_order_asked():
     worker = Worker("w", seed=9)
     ids = [5, 6, 7, 0, 2]
-    sums = worker.kv_sums(ids)
+    digests = worker.kv_sums(ids)
     caches = list(worker.device_kv_caches.values())
-    for region in range(worker.num_regions):
-        cache, half = caches[region // 2], region % 2
-        assert list(sums[region]) == [int(cache[half, b].contiguous().view(torch.int64).sum()) for b in ids]
+    weights = [int(w) % 2**64 for w in kv_checksum.region_weights(worker.num_regions, "cpu")]
+    assert all(w % 2 for w in weights) and len(set(weights)) == worker.num_regions
+    for position, block in enumerate(ids):
+        sums = [int(caches[region // 2][region % 2, block].contiguous().view(torch.int64).sum()) % 2**64
+                for region in range(worker.num_regions)]
+        expected = sum(w * s for w, s in zip(weights, sums)) % 2**64
+        assert int(digests[0, position]) % 2**64 == expected  # wrapping int64 arithmetic, as on the device
+
+
+def test_one_flipped_byte_in_any_region_changes_the_blocks_digest():
+    worker = Worker("w", seed=9)
+    before = worker.kv_sums(range(BLOCKS))
+    for region in worker._kv_regions():
+        for byte_word in (0, region.shape[1] - 1):
+            region[3, byte_word] ^= 0x80
+            assert (worker.kv_sums(range(BLOCKS)) != before).tolist() == [[b == 3 for b in range(BLOCKS)]]
+            region[3, byte_word] ^= 0x80
 
 
 def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notifications():
@@ -235,13 +261,67 @@ def test_layouts_the_sums_do_not_cover_send_none_and_check_nothing():
     assert switched_off.kv_sums([0, 1]) is None
 
 
-def test_the_sums_notification_is_small():
-    prefill, decode = _pair()
-    meta = SimpleNamespace(local_physical_block_ids=([1, 2, 3],),
-                           remote=SimpleNamespace(engine_id="decode", request_id="rdv-9", block_ids=([4, 5, 6],)))
+def test_the_sums_notification_of_a_16k_token_request_on_a_gpu_rank_is_8_kib():
+    """One word a block, not one a (layer region, block): a 64-layer model's sums of 1,024 blocks were 1 MiB a rank,
+    in a NIXL notification (push) and, for all 8 ranks in base64, in every request and scheduler output (pull)."""
+    prefill = Worker("prefill", seed=1)
+    regions = _gpu_rank_regions(1100)
+    prefill._kv_regions = lambda: regions
+    ids = list(range(1023, -1, -1))
+    meta = SimpleNamespace(local_physical_block_ids=(ids,),
+                           remote=SimpleNamespace(engine_id="decode", request_id="rdv-9", block_ids=(ids,)))
     prefill._send_kv_sums(meta)
     (_, notif), = prefill.notifs_sent
-    assert notif.startswith(KV_SUMS_NOTIF) and len(notif) < 64 + LAYERS * 2 * 3 * 8
+    assert notif.startswith(KV_SUMS_NOTIF) and len(notif) <= 1024 * 8 + 64
+
+    from connector.pull_checksum import PulledSums
+
+    summed = PulledSums({"r": {rank: prefill.kv_part_sums(ids) for rank in range(8)}}, layout=(8, 16, 1))
+    assert len(msgspec.json.encode(summed.payload("r"))) <= 8 * 1024 * 8 * 4 // 3 + 256
+
+
+def test_a_receive_is_held_until_the_device_has_digested_it_then_checked(tmp_path, monkeypatch):
+    """On a GPU the digests of what landed come from a side stream: the step loop never waits for the device, and
+    vLLM sees the receive (or its failure) at the step where they are in, never before."""
+    made = []
+
+    class Slow(kv_checksum.DigestJob):
+        steps = 2  # steps the device takes
+
+        def ready(self):
+            Slow.steps -= 1
+            return Slow.steps < 0
+
+    monkeypatch.setattr(kv_checksum.DigestJob, "of", classmethod(lambda cls, compute, device: made.append(1) or Slow(compute())))
+    (tmp_path / "fault").write_text("flip")
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    prefill, decode = _pair()
+    assert _push(prefill, decode) == (set(), set(), [])  # landed, flipped, being digested: neither done nor failed
+    assert decode._pop_done_transfers(decode._recving_transfers) == set() and decode._failed_recv_reqs.empty()
+    assert decode._pop_done_transfers(decode._recving_transfers) == set()
+    assert [decode._failed_recv_reqs.get_nowait()] == ["rdv-1"] and decode._invalid_block_ids.get_nowait() == {6, 5, 0}
+    assert len(made) == 2 and not decode.__dict__["_rendezvous_checking"]  # prefill's sums, decode's: once each
+
+    (tmp_path / "fault").write_text("")
+    Slow.steps = 1
+    assert _push(prefill, decode, request_id="rdv-2") == (set(), set(), [])
+    assert decode._pop_done_transfers(decode._recving_transfers) == {"rdv-2"} and decode._failed_recv_reqs.empty()
+
+
+@pytest.mark.parametrize("fault", ["", "flip", "shift"])
+def test_kv_staged_through_host_memory_is_checked_where_nixl_moves_it(fault, tmp_path, monkeypatch):
+    """kv_buffer_device "cpu" on a device NIXL cannot register (the Trainium config): the sums are of the host
+    buffers NIXL moves, on both sides (they were switched off there, with a log line as the only sign)."""
+    (tmp_path / "fault").write_text(fault)
+    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    prefill, decode = _pair()
+    prefill.stage_through_host()
+    decode.stage_through_host()
+    assert prefill.kv_sums([1, 2]) is not None
+    done, invalid, failed = _push(prefill, decode)
+    assert (done, failed) == (({"rdv-1"}, []) if not fault else (set(), ["rdv-1"]))
 
 
 @pytest.mark.parametrize("fault, mismatched", [("", set()), ("flip-history", {"chatcmpl-rdv-5-9f8e7d6c"})])
@@ -349,10 +429,12 @@ def test_a_block_is_summed_in_chunks_that_add_up_to_its_sum():
     worker = Worker("w", seed=11)
     ids = [3, 4, 0]
     chunks = worker.kv_part_sums(ids, 4)
-    assert chunks.shape == (LAYERS * 2, 3, 4)
-    assert (chunks.sum(axis=2) == worker.kv_sums(ids)).all()
-    cache = next(iter(worker.device_kv_caches.values()))
-    assert chunks[0, 0, 1] == int(cache[0, 3, 16:32].contiguous().view(torch.int64).sum())
+    assert chunks.shape == (1, 3, 4)
+    assert (chunks.sum(axis=2) == worker.kv_sums(ids)).all()  # int64, wrapping: digests add up as sums do
+    caches = list(worker.device_kv_caches.values())
+    weights = [int(w) for w in kv_checksum.region_weights(worker.num_regions, "cpu")]
+    chunk_sums = [int(caches[r // 2][r % 2, 3, 16:32].contiguous().view(torch.int64).sum()) for r in range(LAYERS * 2)]
+    assert int(chunks[0, 0, 1]) % 2**64 == sum(w * s for w, s in zip(weights, chunk_sums)) % 2**64
     assert worker.kv_part_sums(ids, 3) is None  # 64 float32 a block: not three equal chunks of whole words
 
 
