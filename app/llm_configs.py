@@ -77,6 +77,7 @@ def placement_group_config(args: AppArgs, role: Role) -> dict[str, Any]:
     The replica actor itself runs in the first bundle, so custom resources there (e.g. a
     k8s worker group's ``prefill_group``) decide which Ray nodes the replica may use; with
     STRICT_PACK every other bundle (tensor parallel worker) follows it onto the same node.
+    Serve adds :func:`replica_actor_resources` to the first bundle (a Neuron replica's cores).
     """
     role_args = args.role(role)
     kwargs = args.engine_kwargs_for(role)
@@ -86,11 +87,11 @@ def placement_group_config(args: AppArgs, role: Role) -> dict[str, Any]:
     elif args.accelerator is Accelerator.GPU:
         bundles = [{"GPU": role_args.gpus, "CPU": role_args.cpus} for _ in range(devices)]
     else:
-        # Ray's Neuron resource counts NeuronCores; vLLM's tensor parallel size on Neuron is
-        # the number of NeuronCores, so one core per rank. Ray Serve LLM has no Neuron
-        # accelerator kind: bundles without GPU/TPU make it pick vLLM's multiprocessing
-        # executor (one process tree per engine, as the Neuron plugin runs).
-        bundles = [{"neuron_cores": 1, "CPU": role_args.cpus} for _ in range(devices)]
+        # One bundle: the engine's NeuronCores are the replica actor's own (replica_actor_resources),
+        # and `cpus` is per NeuronCore. Ray Serve LLM has no Neuron accelerator kind: a bundle
+        # without GPU/TPU makes it pick vLLM's multiprocessing executor (one process tree per
+        # engine, the replica's children, as the Neuron plugin runs).
+        bundles = [{"CPU": role_args.cpus * devices}]
     bundles[0] = {**bundles[0], **role_args.resources}
     config: dict[str, Any] = {"bundles": bundles}
     if args.accelerator is not Accelerator.CPU:
@@ -98,6 +99,21 @@ def placement_group_config(args: AppArgs, role: Role) -> dict[str, Any]:
         # bundle's custom resources there; PACK would let them spill onto other nodes.
         config["strategy"] = "STRICT_PACK"
     return config
+
+
+def replica_actor_resources(args: AppArgs, role: Role) -> dict[str, float]:
+    """Ray resources the replica actor asks for itself, beyond its CPUs (Serve adds them to bundle 0).
+
+    Neuron: the engine's NeuronCores, one per tensor parallel (x pipeline) rank. Ray sets
+    NEURON_RT_VISIBLE_CORES only in a worker that holds ``neuron_cores`` (to the core ids it holds),
+    and the engine's processes are the replica's children and inherit it; so the replica itself
+    must hold them for several engines on one node to see disjoint cores. Cores held only by
+    other bundles are bookkeeping: no process gets their ids.
+    """
+    if args.accelerator is not Accelerator.NEURON:
+        return {}
+    kwargs = args.engine_kwargs_for(role)
+    return {"neuron_cores": int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)}
 
 
 def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
@@ -113,11 +129,14 @@ def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
                 "target_ongoing_requests": scaling.target_ongoing_requests,
             }
         }
+    # The placement bundle already holds the replica's CPU share.
+    actor_options: dict[str, Any] = {"num_cpus": 0}
+    if own := replica_actor_resources(args, role):
+        actor_options["resources"] = own
     config = {
         **replicas,
         "max_ongoing_requests": role_args.max_ongoing_requests,
-        # The placement bundle already holds the replica's CPU share.
-        "ray_actor_options": {"num_cpus": 0},
+        "ray_actor_options": actor_options,
     }
     routing = args.routing
     router, policy = (
@@ -142,8 +161,8 @@ def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
         hardware = {"accelerator_config": {"kind": "cpu"}, **hardware}
         env = {**CPU_DEFAULT_ENV, **role_args.env}
     else:
-        # GPU: Ray sets CUDA_VISIBLE_DEVICES per worker. Neuron: NEURON_RT_VISIBLE_CORES is
-        # left to the runtime (unset, the engine uses the node's cores: one engine per node).
+        # GPU: Ray sets CUDA_VISIBLE_DEVICES per worker. Neuron: Ray sets NEURON_RT_VISIBLE_CORES
+        # in the replica, which holds its engine's cores (replica_actor_resources); not set here.
         env = dict(role_args.env)
     return {
         "model_loading_config": {"model_id": args.model.id, "model_source": model_source},

@@ -2,8 +2,8 @@
 
 ``fit_errors(manifests, serve_config)`` returns one readable line per problem; ``[]`` means it
 fits. It reads each pod's Ray resources as KubeRay hands them to ``ray start`` (rayStartParams,
-else the container's limits) and each replica's needs from the placement bundles that
-``app.llm_configs`` builds, and checks:
+else the container's limits) and each replica's needs from the placement bundles and replica
+actor resources that ``app.llm_configs`` builds, and checks:
 
 * placement: each role asks for custom resources that exactly one worker group offers, prefill's
   and decode's groups differ, and the head (``num-gpus: 0``, no accelerators) offers neither;
@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from app.args import Accelerator, AppArgs
-from app.llm_configs import placement_group_config
+from app.llm_configs import placement_group_config, replica_actor_resources
 from connector.ports import Role
 
 GPU_DEVICE = "nvidia.com/gpu"
@@ -130,9 +130,10 @@ class Group:
 
 
 def replica_need(args: AppArgs, role: Role) -> dict[str, float]:
-    """Ray resources one replica of ``role`` takes: the sum of its placement bundles."""
+    """Ray resources one replica of ``role`` takes: the sum of its placement bundles, plus what the
+    replica actor asks for itself (Serve adds that to the first bundle)."""
     need: Counter[str] = Counter()
-    for bundle in placement_group_config(args, role)["bundles"]:
+    for bundle in [*placement_group_config(args, role)["bundles"], replica_actor_resources(args, role)]:
         need.update({k: float(v) for k, v in bundle.items()})
     return {k: v for k, v in need.items() if v > 0}
 

@@ -3,6 +3,8 @@ neuron accelerator; and what app.llm_configs makes of them (no Ray started)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from pydantic import ValidationError
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
@@ -16,7 +18,13 @@ from app.args import (
     RoleArgs,
     reference_markdown,
 )
-from app.llm_configs import deployment_config, kv_transfer_config, llm_config, placement_group_config
+from app.llm_configs import (
+    deployment_config,
+    kv_transfer_config,
+    llm_config,
+    placement_group_config,
+    replica_actor_resources,
+)
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.ports import Role
 
@@ -205,17 +213,20 @@ def test_neuron_is_an_accelerator_and_needs_gpus_zero():
     assert "decode.gpus must be 0 with accelerator 'neuron'" in message
 
 
-@pytest.mark.parametrize("role, workers, first", [
-    (Role.PREFILL, 8, {"neuron_cores": 1, "CPU": 0.25, "prefill_group": 0.01}),
-    (Role.DECODE, 8, {"neuron_cores": 1, "CPU": 0.5}),  # TP 4 x PP 2
+@pytest.mark.parametrize("role, bundle", [
+    (Role.PREFILL, {"CPU": 0.25 * 8, "prefill_group": 0.01}),
+    (Role.DECODE, {"CPU": 0.5 * 8}),  # TP 4 x PP 2
 ])
-def test_neuron_bundles_ask_one_neuron_core_per_worker(role, workers, first):
+def test_a_neuron_replica_holds_one_neuron_core_per_rank_itself(role, bundle):
+    """Ray sets NEURON_RT_VISIBLE_CORES only in a worker holding neuron_cores, and the engine runs in the
+    replica's process tree: the replica actor asks for them, its one bundle holds its CPUs (per core)."""
     args = AppArgs.parse(NEURON_RAW)
     config = placement_group_config(args, role)
-    assert config["strategy"] == "STRICT_PACK"
-    assert config["bundles"][0] == first
-    assert len(config["bundles"]) == workers
-    assert all(b["neuron_cores"] == 1 and "GPU" not in b for b in config["bundles"])
+    assert config == {"bundles": [bundle], "strategy": "STRICT_PACK"}
+    assert replica_actor_resources(args, role) == {"neuron_cores": 8}
+    assert deployment_config(args, role)["ray_actor_options"] == {"num_cpus": 0, "resources": {"neuron_cores": 8}}
+    gpu = AppArgs.parse({"accelerator": "gpu", "prefill": {"gpus": 1}, "decode": {"gpus": 1}})
+    assert replica_actor_resources(gpu, role) == replica_actor_resources(AppArgs.parse({}), role) == {}
 
 
 def test_neuron_kv_buffer_is_host_memory_and_env_has_no_cpu_defaults():
@@ -227,15 +238,25 @@ def test_neuron_kv_buffer_is_host_memory_and_env_has_no_cpu_defaults():
 
 
 @pytest.mark.parametrize("role", list(Role))
-def test_ray_serve_llm_takes_neuron_configs_with_the_mp_executor(role):
-    """Ray Serve LLM 2.60 has no Neuron kind: GPU-less bundles mean its CPU path (mp executor)."""
+def test_ray_serve_llm_takes_neuron_configs_with_the_mp_executor(role, monkeypatch):
+    """Ray Serve LLM 2.60 has no Neuron kind: GPU-less bundles mean its CPU path (mp executor); the
+    replica actor's NeuronCores go into its first bundle, where Serve pins the actor."""
+    import ray
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+
     args = AppArgs.parse(NEURON_RAW)
     llm = LLMConfig.model_validate(llm_config(args, role, SOURCE))
     assert llm.accelerator_config.kind == "cpu"
     engine = llm.get_engine_config()
     assert engine.placement_strategy == "STRICT_PACK"
-    assert sum(b.get("neuron_cores", 0) for b in engine.placement_bundles) == 8
     assert engine.get_initialization_kwargs()["distributed_executor_backend"] == "mp"
+    # Serve LLM reads the driver's runtime_env here; that call alone would start Ray.
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: SimpleNamespace(runtime_env={}))
+    options = LLMServer.get_deployment_options(llm)
+    (bundle,) = options["placement_group_bundles"]
+    assert bundle["neuron_cores"] == 8 and bundle["CPU"] == args.role(role).cpus * 8
+    assert options["ray_actor_options"]["resources"] == {"neuron_cores": 8}
+    assert not ray.is_initialized()
 
 
 # --------------------------------------------------------------------------- placement strategy

@@ -303,15 +303,23 @@ def test_multiturn_knobs():
     assert args.engine_kwargs["enable_prefix_caching"] is True
 
 
-def test_trainium_config():
+def test_trainium_config(monkeypatch):
+    """8 engines of TP 8 per role (tests/unit/test_k8s.py checks that a node holds them); each replica
+    actor holds its engine's NeuronCores in the bundle Serve pins it to."""
     args = _args("trn2-qwen3-32b-push.yaml")
     assert args.accelerator is Accelerator.NEURON
-    for role in Role:
+    deployments = build_serve_app(args, monkeypatch)
+    for role, prefix in ((Role.PREFILL, "Prefill:"), (Role.DECODE, "Decode:")):
         assert args.role(role).gpus == 0
+        assert args.role(role).replicas == 8
+        assert args.engine_kwargs_for(role)["tensor_parallel_size"] == 8
         config = llm_config(args, role, "Qwen/Qwen3-32B")
         assert config["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
-        bundles = config["placement_group_config"]["bundles"]
-        assert sum(b["neuron_cores"] for b in bundles) == args.engine_kwargs_for(role)["tensor_parallel_size"] == 64
+        (deployment,) = [d for name, d in deployments.items() if name.startswith(prefix)]
+        replica = deployment._replica_config
+        assert replica.ray_actor_options["resources"] == {"neuron_cores": 8}
+        (bundle,) = replica.placement_group_bundles
+        assert bundle["neuron_cores"] == 8 and bundle["CPU"] == 8 * args.role(role).cpus
 
 
 @pytest.mark.parametrize(

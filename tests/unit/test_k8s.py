@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from app.args import Accelerator, AppArgs
+from app.llm_configs import deployment_config, placement_group_config
 from connector.ports import PortPlan, Role
 from deploy import render as render_mod
 from deploy.checks import (
@@ -363,6 +364,46 @@ def test_side_channel_ports_cannot_collide_on_a_node(overlay, config):
             assert port not in used, f"{role.value} port {port} is also {used[port]}'s"
             assert port not in ray_worker_ports and port not in group.reserved_ports
             used[port] = role.value
+
+
+# num_key_value_heads in the config.json of each model a Trainium config serves.
+MODEL_KV_HEADS = {"Qwen/Qwen3-32B": 8}
+# Logical NeuronCores of a node: 16 Trainium2 chips x 4 at the default LNC=2.
+INSTANCE_NEURON_CORES = {"trn2.48xlarge": 64}
+TRAINIUM_CONFIGS = [path for path in DEPLOY_CONFIGS if config_accelerator(path) is Accelerator.NEURON]
+
+
+@pytest.mark.parametrize("config", TRAINIUM_CONFIGS, ids=lambda p: p.stem)
+def test_trainium_tp_is_the_kv_heads_and_a_node_holds_its_engines(config):
+    """Above the KV heads the Neuron plugin replicates each head (TP 64: 8 copies, so 8 times the KV staged
+    through host memory per transfer). At TP = KV heads several engines share a node: they must fit its
+    cores, and each replica must hold its cores itself, the only way Ray gives each engine its own
+    NEURON_RT_VISIBLE_CORES."""
+    args = app_args_of(yaml.safe_load(config.read_text()))
+    groups = worker_groups(rendered("trainium", config))
+    for role in Role:
+        kwargs = args.engine_kwargs_for(role)
+        tp = kwargs["tensor_parallel_size"] * kwargs.get("pipeline_parallel_size", 1)
+        assert tp == MODEL_KV_HEADS[args.model.id], f"{role.value}: TP {tp}"
+        group = groups[ROLE_GROUP[role]]
+        cores = INSTANCE_NEURON_CORES[group["template"]["spec"]["nodeSelector"]["node.kubernetes.io/instance-type"]]
+        assert ray_start_resources(group["rayStartParams"]["resources"])["neuron_cores"] == cores
+        on_a_node = math.ceil(args.role(role).max_replicas / group["replicas"])  # one pod a node
+        assert on_a_node * tp <= cores, f"{role.value}: {on_a_node} engines of TP {tp} on {cores} cores"
+        assert on_a_node * tp == cores, f"{role.value}: {cores - on_a_node * tp} cores left idle"
+        assert deployment_config(args, role)["ray_actor_options"]["resources"] == {"neuron_cores": tp}
+        assert not any("neuron_cores" in b for b in placement_group_config(args, role)["bundles"])
+
+
+def test_fit_errors_count_the_neuron_cores_a_replica_holds_itself():
+    """A Neuron replica's cores are the replica actor's, not its bundle's: a ninth TP-8 engine needs a second node."""
+    config_path = REPO / "configs" / "trn2-qwen3-32b-push.yaml"
+    config = yaml.safe_load(config_path.read_text())
+    assert fit_errors(list(rendered("trainium", config_path)), config) == []
+    config["applications"][0]["args"]["decode"]["replicas"] = 9
+    manifests = render_mod.inject_serve_config(copy.deepcopy(list(rendered("trainium", config_path))), config, "test")
+    errors = fit_errors(manifests, config)
+    assert any("decode: up to 9 replicas at 8 per pod need 2 pods; group 'decode' has at most 1" in e for e in errors), errors
 
 
 # --------------------------------------------------------------------------- fit_errors catches mistakes
