@@ -17,6 +17,8 @@ from app.routing import RoutingPolicy
 from connector.engine_env import ucx_tls_problem
 from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, RECOMPUTE_THRESHOLD_KEY, WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
+from connector.settings import DEFAULTS as CONNECTOR_DEFAULTS
+from connector.settings import PREFIX as SETTINGS_PREFIX
 
 
 class _Strict(BaseModel):
@@ -135,6 +137,10 @@ class NixlArgs(_Strict):
         self.port_plan()  # bases that collide fail here
         if "backends" in self.extra_config:
             raise ValueError("nixl.extra_config.backends: set nixl.backends instead")
+        ours = sorted(key for key in self.extra_config if key.startswith(SETTINGS_PREFIX))
+        if ours:
+            raise ValueError(f"nixl.extra_config {ours}: our connectors' keys are set from handoff.* "
+                             "(kv_timeout_s, read_timeout_s, kv_checksums) and the engines' TP sizes")
         return self
 
     def port_plan(self) -> PortPlan:
@@ -268,8 +274,9 @@ class HandoffArgs(_Strict):
         "is thousands."
     )
     kv_checksums: bool = Field(
-        True, description="Prefill sums every block it sends (per layer) and decode checks what landed before using "
-        "it (push: the sums go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "
+        CONNECTOR_DEFAULTS.kv_checksums, description="Prefill digests every block it sends (one word a block, of "
+        "every layer's bytes) and decode checks what landed before using "
+        "it (push: the digests go ahead of the WRITE; pull: they ride in prefill's response to the READ); KV that landed "
         "wrong is recomputed by decode (counted as prefill path `kv_mismatch`). The same for a conversation's history "
         "read back from decode, in both modes: prefill recomputes it (counted as history `kv_mismatch`). Between "
         "different TP sizes too, by KV-head chunk (connector/sum_ranks.py). "

@@ -14,14 +14,12 @@ from connector.params import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     DECODER_BLOCKS_TTL_KEY,
-    KV_CHECKSUMS_KEY,
-    KV_PEER_TP_KEY,
-    KV_TIMEOUT_KEY,
     RECOMPUTE_THRESHOLD_KEY,
     TransferMode,
 )
 from connector.ports import Role
 from connector.engine_env import SETTINGS_KEY, EngineSettings
+from connector.settings import ConnectorSettings
 
 # Serve request routers (they import Ray, so named, not imported).
 DECODE_ROUTERS = {
@@ -44,18 +42,21 @@ CPU_DEFAULT_ENV = {
 
 
 def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
-    extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends), KV_CHECKSUMS_KEY: args.handoff.kv_checksums}
+    extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
     if args.mode is TransferMode.PUSH:
-        extra[KV_TIMEOUT_KEY] = args.handoff.kv_timeout_s
+        ours = ConnectorSettings(kv_timeout_s=args.handoff.kv_timeout_s, kv_checksums=args.handoff.kv_checksums)
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     else:
-        extra[KV_TIMEOUT_KEY] = args.handoff.read_timeout_s  # a READ's deadline (connector.pull_deadline)
         peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL
-        extra[KV_PEER_TP_KEY] = int(args.engine_kwargs_for(peer).get("tensor_parallel_size") or 1)
+        ours = ConnectorSettings(kv_timeout_s=args.handoff.read_timeout_s,  # a READ's deadline (connector.pull_deadline)
+                                 kv_checksums=args.handoff.kv_checksums,
+                                 kv_peer_tp_size=int(args.engine_kwargs_for(peer).get("tensor_parallel_size") or 1))
         if args.upstream_pull_history:
             extra[BIDIRECTIONAL_KEY] = True
             extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s
             extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
+    extra.update(ours.extra())
+    ConnectorSettings.parse(extra)  # what nixl.extra_config adds must be ours too: refused here, not in the engine
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,

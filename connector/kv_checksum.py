@@ -56,6 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.push_reuse import OFFER_KEY, ReuseOffers
+from connector.settings import DEFAULTS
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
 from connector.stages import DecodeKvStamps, KvFailure, send_stamps
 from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
@@ -188,7 +189,7 @@ class KvSumsCheck:
     """Mixin for a NIXL worker (put before vLLM's class): digests of blocks, and the check of a receive
     against the digests its sender computed (``_expected``, filled by the mode's own mixin)."""
 
-    _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
+    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums (set by connector.vllm_connectors)
 
     def _kv_regions(self):
         """Per descriptor region: a [num_blocks, block bytes / 8] int64 view of the memory NIXL transfers;

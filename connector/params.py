@@ -25,23 +25,13 @@ class TransferMode(str, Enum):
 CONNECTOR_MODULE = "connector.vllm_connectors"
 CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PULL: "RendezvousPullConnector"}
 
-# kv_connector_extra_config key of our connectors: seconds decode waits for its KV (push: from registering
-# its blocks, connector/push_deadline.py; pull: from posting a READ, connector/pull_deadline.py).
-KV_TIMEOUT_KEY = "rendezvous_kv_timeout_s"
 # Push, per request (the decode leg's kv_transfer_params): seconds from registering its blocks to their
-# expiry, sized to the request's own work by the orchestrator (app/deadlines.py); KV_TIMEOUT_KEY is the
-# engine's default for a leg that does not say.
+# expiry, sized to the request's own work by the orchestrator (app/deadlines.py); the engine's
+# ConnectorSettings.kv_timeout_s (connector/settings.py) is the default for a leg that does not say.
 KV_DEADLINE_KEY = "rendezvous_kv_deadline_s"
-# kv_connector_extra_config key of our connectors: sum the KV prefill sends and check it on landing
-# (connector/kv_checksum.py, connector/pull_checksum.py); both roles must agree.
-KV_CHECKSUMS_KEY = "rendezvous_kv_checksums"
 # Pull: the sums of the KV a prefill leg leaves for decode to READ, in prefill's response and so in
 # the decode leg's kv_transfer_params (connector/pull_checksum.py).
 KV_SUMS_KEY = "rendezvous_kv_sums"
-# kv_connector_extra_config key (pull): the other role's tensor parallel size. A pull sender sums its
-# blocks in as many chunks as the reader's TP has ranks a block (connector.sum_ranks); push learns it
-# in the NIXL handshake.
-KV_PEER_TP_KEY = "rendezvous_kv_peer_tp_size"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 

@@ -30,7 +30,7 @@ bytes it had.
 
 Checked where both sides' block size and physical blocks per logical block match, between any TP
 sizes that ``connector.sum_ranks`` pairs: a sender sums each block in as many chunks as the reader's
-TP has ranks a block of its own (it learns the reader's TP size from its config, ``KV_PEER_TP_KEY``:
+TP has ranks a block of its own (it learns the reader's TP size from its config, ``ConnectorSettings.kv_peer_tp_size``:
 the orchestrator picks decode late, but every decode replica has the same TP). Elsewhere the reader
 logs once and does not check.
 """
@@ -46,6 +46,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector.kv_checksum import KvSumsCheck, injected_fault
+from connector.settings import DEFAULTS
 from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
 from connector.params import (KEEP_HISTORY_KEY, KV_SUMS_KEY, READ_PLANNED_KEY, REUSE_REPORT_KEY, ReuseReason,
                               ReuseReport, is_decode_leg, is_prefill_leg)
@@ -130,7 +131,7 @@ class _Leg:
 class PullSumsScheduler:
     """Mixin for the pull scheduler (put before vLLM's class); both roles."""
 
-    _kv_checksums: bool = True  # handoff.kv_checksums (set by connector.vllm_connectors)
+    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums (set by connector.vllm_connectors)
 
     def _sums_state(self) -> dict[str, Any]:
         state = self.__dict__.get("_rendezvous_pull_sums")
@@ -231,7 +232,7 @@ class PullSumsScheduler:
 class PullSumsWorker(KvSumsCheck):
     """Mixin for the pull worker (put before vLLM's class): sums what is asked, checks what it READs."""
 
-    _kv_peer_tp: int = 1  # the other role's TP size (KV_PEER_TP_KEY, set by connector.vllm_connectors)
+    _kv_peer_tp: int = DEFAULTS.kv_peer_tp_size  # the other role's TP size (set by connector.vllm_connectors)
 
     def start_load_kv(self, metadata):
         self.__dict__["_rendezvous_to_sum"] = getattr(metadata, SUM_BLOCKS_ATTR, None)

@@ -49,11 +49,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPu
 from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads, reads_cancel
-from connector.params import KV_CHECKSUMS_KEY, KV_PEER_TP_KEY, KV_TIMEOUT_KEY
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
 from connector.pull_deadline import ReadDeadline
 from connector.pull_history import HistoryPullScheduler
 from connector.stages import StageClock, WriteClock
+from connector.settings import ConnectorSettings, backends
 from connector.transfer_order import TransfersFirst
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -85,9 +85,10 @@ def _keep_cpu_affinity(role: KVConnectorRole):
             logger.info("restored CPU affinity %s after NIXL worker init", sorted(before))
 
 
-def _calm_ucx_progress(vllm_config) -> None:
+def _settings(vllm_config) -> tuple[ConnectorSettings, list[str]]:
+    """Ours, parsed once (a misspelt key fails the engine's start, before NIXL is set up), and the NIXL backends."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    calm_progress_threads(extra.get("backends") or ["UCX"])  # vLLM's default backend list
+    return ConnectorSettings.parse(extra), backends(extra)
 
 
 def _worker_meta(connector):
@@ -115,16 +116,15 @@ class PushWorker(KvChecksums, WriteClock, IdleWorker):
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        _calm_ucx_progress(vllm_config)
+        settings, nixl_backends = _settings(vllm_config)
+        calm_progress_threads(nixl_backends)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        timeout_s = extra.get(KV_TIMEOUT_KEY)
         # Swapped in rather than constructed: vLLM builds its own scheduler and worker in
         # __init__, and building a second NIXL worker would open a second agent.
         if self.connector_scheduler is not None:
             self.connector_scheduler.__class__ = PushScheduler
-            self.connector_scheduler._kv_timeout_s = float(timeout_s) if timeout_s else None
+            self.connector_scheduler._kv_timeout_s = settings.kv_timeout_s
             self.connector_scheduler._registered = {}
             self.connector_scheduler.init_reuse()
             self.connector_scheduler.init_idle(vllm_config)
@@ -133,10 +133,10 @@ class RendezvousPushConnector(NixlPushConnector):
                 # vLLM reports no invalid blocks for multi-group KV: a failed load would look
                 # like a finished one. Waiting is better than decoding garbage; and decode
                 # offers no history for such models (see connector.push_reuse).
-                logger.warning("%s and history reuse off: the model has several KV cache groups", KV_TIMEOUT_KEY)
+                logger.warning("the KV deadline, checksums and history reuse are off: the model has several KV cache groups")
             else:
                 self.connector_worker.__class__ = PushWorker
-                self.connector_worker._kv_checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
+                self.connector_worker._kv_checksums = settings.kv_checksums
                 self.connector_worker._recv_expiry = {}
                 self.connector_worker._aborted_legs = {}
                 self.connector_worker.init_reuse()
@@ -148,12 +148,11 @@ class RendezvousPushConnector(NixlPushConnector):
 class RendezvousPullConnector(NixlPullConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        _calm_ucx_progress(vllm_config)
+        settings, nixl_backends = _settings(vllm_config)
+        calm_progress_threads(nixl_backends)
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        checksums = bool(extra.get(KV_CHECKSUMS_KEY, True))
-        timeout_s = float(extra[KV_TIMEOUT_KEY]) if extra.get(KV_TIMEOUT_KEY) else None  # a READ's deadline
+        checksums, timeout_s = settings.kv_checksums, settings.kv_timeout_s  # timeout_s: a READ's deadline
         if self.connector_scheduler is not None:  # swapped in, as for push above
             self.connector_scheduler.__class__ = PullScheduler
             self.connector_scheduler._kv_checksums = checksums
@@ -161,8 +160,8 @@ class RendezvousPullConnector(NixlPullConnector):
         if self.connector_worker is not None and type(self.connector_worker) is NixlPullConnectorWorker:
             self.connector_worker.__class__ = PullWorker
             self.connector_worker._kv_checksums = checksums
-            self.connector_worker._kv_peer_tp = int(extra.get(KV_PEER_TP_KEY) or 1)
+            self.connector_worker._kv_peer_tp = settings.kv_peer_tp_size
             self.connector_worker._read_timeout_s = timeout_s
-            self.connector_worker._reads_cancel = reads_cancel(extra.get("backends") or ["UCX"])
+            self.connector_worker._reads_cancel = reads_cancel(nixl_backends)
 
     build_connector_worker_meta = _worker_meta

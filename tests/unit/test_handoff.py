@@ -226,14 +226,15 @@ def test_registration_expiry(registration, now, margin, expired):
 def test_engines_get_their_modes_kv_deadline_and_recompute_on_load_failure():
     from app.args import AppArgs
     from app.llm_configs import kv_transfer_config
-    from connector.params import KV_TIMEOUT_KEY
     from connector.ports import Role
+    from connector.settings import ConnectorSettings
 
     handoff = {"prefill_timeout_s": 10, "kv_timeout_s": 25, "read_timeout_s": 7}
     push = kv_transfer_config(AppArgs.parse({"handoff": handoff}), Role.DECODE)
     pull = kv_transfer_config(AppArgs.parse({"mode": "pull", "handoff": handoff}), Role.DECODE)
-    assert push["kv_connector_extra_config"][KV_TIMEOUT_KEY] == 25  # from registering the blocks
-    assert pull["kv_connector_extra_config"][KV_TIMEOUT_KEY] == 7  # from posting the READ
+    # As the connectors read them (connector.vllm_connectors).
+    assert ConnectorSettings.parse(push["kv_connector_extra_config"]).kv_timeout_s == 25  # from registering the blocks
+    assert ConnectorSettings.parse(pull["kv_connector_extra_config"]).kv_timeout_s == 7  # from posting the READ
     assert push["kv_load_failure_policy"] == pull["kv_load_failure_policy"] == "recompute"
 
 
