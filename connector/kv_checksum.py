@@ -48,6 +48,7 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -87,6 +88,27 @@ class _Offered:
     block_ids: list[int]
     decode_tp: int
     by_rank: dict[int, np.ndarray] = field(default_factory=dict)  # decode rank -> [1, blocks, parts] digests
+
+
+_UNMAPPED = object()  # ChecksumState.regions before the KV cache was looked at
+
+
+@dataclass
+class ChecksumState:
+    """A worker's checksum state (KvSumsCheck.init_checksums): the NIXL worker is vLLM's, built by vLLM."""
+
+    regions: Any = _UNMAPPED  # per layer region a [blocks, words] int64 view of what NIXL moves; None: not covered
+    warned: set = field(default_factory=set)  # kinds of transfer logged once as unchecked
+    expected: OrderedDict = field(default_factory=OrderedDict)  # request -> its sender's digests (or _Received)
+    history_sums: OrderedDict = field(default_factory=OrderedDict)  # prefill: turn -> _Offered
+    history_reads: OrderedDict = field(default_factory=OrderedDict)  # pull prefill: READs that are histories
+    awaited: dict = field(default_factory=dict)  # landed before its senders' sums: request -> since (monotonic)
+    checking: dict = field(default_factory=dict)  # landed, being digested: request -> _Checking
+    history_mismatched: set = field(default_factory=set)  # prefill: histories that landed wrong, for the scheduler
+
+    def take_history_mismatched(self) -> set:
+        taken, self.history_mismatched = self.history_mismatched, set()
+        return taken
 
 
 @dataclass
@@ -189,16 +211,19 @@ class KvSumsCheck:
     """Mixin for a NIXL worker (put before vLLM's class): digests of blocks, and the check of a receive
     against the digests its sender computed (``_expected``, filled by the mode's own mixin)."""
 
-    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums (set by connector.vllm_connectors)
+    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums
+    _sums: ChecksumState
+
+    def init_checksums(self, enabled: bool = DEFAULTS.kv_checksums) -> None:
+        self._kv_checksums, self._sums = enabled, ChecksumState()
 
     def _kv_regions(self):
         """Per descriptor region: a [num_blocks, block bytes / 8] int64 view of the memory NIXL transfers;
         None where descriptors do not pair one to one (see the module docstring)."""
-        cached = self.__dict__.get("_rendezvous_kv_regions", False)
-        if cached is not False:
-            return cached
+        if self._sums.regions is not _UNMAPPED:
+            return self._sums.regions
         if not self._kv_checksums:
-            self.__dict__["_rendezvous_kv_regions"] = None
+            self._sums.regions = None
             return None
         regions = None
         try:
@@ -207,7 +232,7 @@ class KvSumsCheck:
             logger.exception("KV checksums off: cannot map the KV cache")
         if regions is None:
             logger.warning("KV checksums off for this engine: its KV layout is not one they cover")
-        self.__dict__["_rendezvous_kv_regions"] = regions
+        self._sums.regions = regions
         return regions
 
     def _build_kv_regions(self):
@@ -298,14 +323,15 @@ class KvSumsCheck:
 
     def _warn_once(self, what: object, message: str, *args) -> None:
         """A warning logged once per worker for ``what``: why a kind of transfer goes unchecked (it stays so)."""
-        warned = self.__dict__.setdefault("_rendezvous_warned", set())
+        warned = self._sums.warned
         if what not in warned:
             warned.add(what)
             logger.warning(message, *args)
 
-    def _expected(self, name: str = "_rendezvous_expected_sums") -> OrderedDict:
-        """Sums awaiting their receive, by request (pushes, pulls) or turn (history reads); the oldest dropped."""
-        expected = self.__dict__.setdefault(name, OrderedDict())
+    def _expected(self, table: str = "expected") -> OrderedDict:
+        """A table of :class:`ChecksumState` kept until its receive lands (by request, or turn for history
+        reads), the oldest dropped: their receives were aborted or expired."""
+        expected = getattr(self._sums, table)
         while len(expected) > _EXPECTED_KEPT:
             expected.popitem(last=False)
         return expected
@@ -316,8 +342,7 @@ class KvSumsCheck:
             return done
         # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most. Landed and
         # being summed (on a GPU: on a side stream): looked at again each step until the digests are in.
-        awaited = self.__dict__.setdefault("_rendezvous_sums_awaited", {})
-        checking: dict[str, _Checking] = self.__dict__.setdefault("_rendezvous_checking", {})
+        awaited, checking = self._sums.awaited, self._sums.checking
         done |= set(awaited) | set(checking)
         now = time.monotonic()
         for req_id in list(done):
@@ -345,7 +370,7 @@ class KvSumsCheck:
             self._invalid_block_ids.put(set(meta.local_block_ids[0]))
             self._failed_recv_reqs.put(req_id)
             if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
-                self.__dict__.setdefault("_rendezvous_history_mismatched", set()).add(req_id)
+                self._sums.history_mismatched.add(req_id)
             else:  # decode: its replica counts the request (prefill="kv_mismatch")
                 send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
         return done
@@ -464,7 +489,7 @@ class KvChecksums(KvSumsCheck):
                     or len({sums.shape for sums in received.sums}) != 1):
                 return None  # a sender's sums were not sent (or are of other blocks): nothing to check against
             return np.sum(received.sums, axis=0, dtype=np.int64)
-        offered = self.__dict__.get("_rendezvous_history_sums", {}).pop(_history_key(req_id), None)
+        offered = self._sums.history_sums.pop(_history_key(req_id), None)
         if offered is None:
             return None
         column = {block: i for i, block in enumerate(offered.block_ids)}
@@ -479,7 +504,7 @@ class KvChecksums(KvSumsCheck):
     def _sums_due(self, req_id: str, history: bool) -> bool:
         # Each decode rank registers alone, and the READ starts on the first offer: a lagging rank's offer, with
         # its sums, can come after the READ landed (seen: decode TP 3, on a busy box). Unchecked is not an answer.
-        offered = self.__dict__.get("_rendezvous_history_sums", {}).get(_history_key(req_id)) if history else None
+        offered = self._sums.history_sums.get(_history_key(req_id)) if history else None
         if offered is None:
             return False
         return not set(sender_ranks(offered.decode_tp, self.world_size, self.tp_rank)) <= set(offered.by_rank)
@@ -520,7 +545,7 @@ class KvChecksums(KvSumsCheck):
             return
         sums = np.frombuffer(offer["sums"], dtype=np.int64).reshape(offer["sum_regions"], -1, offer.get("sum_parts", 1))
         # Written here (the writer thread), popped by the main thread: single dict operations only.
-        kept, key = self._expected("_rendezvous_history_sums"), _history_key(registration["request_id"])
+        kept, key = self._expected("history_sums"), _history_key(registration["request_id"])
         offered = kept.get(key)
         if offered is None or offered.block_ids != list(offer["block_ids"]):
             offered = kept[key] = _Offered(list(offer["block_ids"]), decode_tp)
@@ -528,7 +553,7 @@ class KvChecksums(KvSumsCheck):
 
     def build_connector_worker_meta(self):
         meta = super().build_connector_worker_meta()
-        mismatched = self.__dict__.pop("_rendezvous_history_mismatched", set())
+        mismatched = self._sums.take_history_mismatched()
         if not mismatched:
             return meta
         meta = meta if isinstance(meta, ReuseOffers) else ReuseOffers()

@@ -131,17 +131,18 @@ class _Leg:
 class PullSumsScheduler:
     """Mixin for the pull scheduler (put before vLLM's class); both roles."""
 
-    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums (set by connector.vllm_connectors)
+    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums
+    _pull_sums: dict[str, Any]
+
+    def init_pull_sums(self, enabled: bool = DEFAULTS.kv_checksums) -> None:
+        self._kv_checksums = enabled
+        # legs: request -> _Leg, until it finishes; finished: this step's finished legs' params, awaiting
+        # their sums; kept: decode legs' sums, awaiting their response; expected: sums for the workers to
+        # check READs against; history_mismatched: prefill legs whose history READ landed wrong.
+        self._pull_sums = {"legs": {}, "finished": {}, "kept": {}, "expected": {}, "history_mismatched": set()}
 
     def _sums_state(self) -> dict[str, Any]:
-        state = self.__dict__.get("_rendezvous_pull_sums")
-        if state is None:
-            # legs: request -> _Leg, until it finishes; finished: this step's finished legs' params, awaiting
-            # their sums; kept: decode legs' sums, awaiting their response; expected: sums for the workers to
-            # check READs against; history_mismatched: prefill legs whose history READ landed wrong.
-            state = self.__dict__["_rendezvous_pull_sums"] = {
-                "legs": {}, "finished": {}, "kept": {}, "expected": {}, "history_mismatched": set()}
-        return state
+        return self._pull_sums
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         params = request.kv_transfer_params
@@ -232,10 +233,16 @@ class PullSumsScheduler:
 class PullSumsWorker(KvSumsCheck):
     """Mixin for the pull worker (put before vLLM's class): sums what is asked, checks what it READs."""
 
-    _kv_peer_tp: int = DEFAULTS.kv_peer_tp_size  # the other role's TP size (set by connector.vllm_connectors)
+    _kv_peer_tp: int = DEFAULTS.kv_peer_tp_size  # the other role's TP size
+    _to_sum: dict[str, list[int]] | None = None  # this step's legs to digest (SUM_BLOCKS_ATTR), for its worker metadata
+
+    def init_pull_checksums(self, enabled: bool = DEFAULTS.kv_checksums,
+                            peer_tp: int = DEFAULTS.kv_peer_tp_size) -> None:
+        self.init_checksums(enabled)
+        self._kv_peer_tp = peer_tp
 
     def start_load_kv(self, metadata):
-        self.__dict__["_rendezvous_to_sum"] = getattr(metadata, SUM_BLOCKS_ATTR, None)
+        self._to_sum = getattr(metadata, SUM_BLOCKS_ATTR, None)
         for req_id, payload in (getattr(metadata, EXPECTED_ATTR, None) or {}).items() if self._kv_checksums else ():
             reading = metadata.reqs_to_recv.get(req_id)
             if (reading is None or reading.remote is None or len(reading.local_block_ids) != 1
@@ -250,13 +257,13 @@ class PullSumsWorker(KvSumsCheck):
             if expected is not None and self._kv_regions() is not None:
                 self._expected()[req_id] = expected
                 if payload.get(READ_BACK):
-                    self._expected("_rendezvous_history_reads")[req_id] = True
+                    self._expected("history_reads")[req_id] = True
             elif why_not:
                 self._warn_once("pull", "KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
         return super().start_load_kv(metadata)
 
     def _reading_history(self, req_id: str, meta) -> bool:
-        return self._expected("_rendezvous_history_reads").pop(req_id, None) is not None
+        return self._expected("history_reads").pop(req_id, None) is not None
 
     def _read_blocks_for_req(self, req_id, meta):
         # Test-only fault: READ the prompt's blocks in rotated order, so each lands in its neighbour's
@@ -269,8 +276,8 @@ class PullSumsWorker(KvSumsCheck):
 
     def build_connector_worker_meta(self):
         meta = getattr(super(), "build_connector_worker_meta", lambda: None)()
-        to_sum = self.__dict__.pop("_rendezvous_to_sum", None)
-        mismatched = self.__dict__.pop("_rendezvous_history_mismatched", None)
+        to_sum, self._to_sum = self._to_sum, None
+        mismatched = self._sums.take_history_mismatched()
         if not to_sum and not mismatched:  # most steps: nothing to report
             return meta
         # As many chunks a block as the reader's TP has ranks a block of ours (1 when it is not bigger).

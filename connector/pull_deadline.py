@@ -41,18 +41,22 @@ class ReadDeadline:
     """Mixin for the pull worker (put before vLLM's class)."""
 
     _read_timeout_s: float | None = None
-    _reads_cancel: bool = True  # a release cancels a posted READ: UCX only (set by connector.vllm_connectors)
+    _reads_cancel: bool = True  # a release cancels a posted READ: UCX only
+
+    def init_read_deadline(self, timeout_s: float | None, reads_cancel: bool) -> None:
+        self._read_timeout_s, self._reads_cancel = timeout_s, reads_cancel
+        self._read_posted: dict[str, float] = {}  # request id -> when its READ was posted (monotonic)
+        self._read_stalled: set[str] = set()  # fault injection: READs never posted
+        self._read_uncancelled: set[str] = set()  # late READs NIXL could not cancel (logged once each)
 
     def _read_clock(self) -> dict[str, float]:
-        # Swapped in: no __init__ ran. Request id -> when its READ was posted (monotonic).
-        return self.__dict__.setdefault("_rendezvous_read_posted", {})
+        return self._read_posted
 
     def _stalled(self) -> set[str]:
-        return self.__dict__.setdefault("_rendezvous_read_stalled", set())
+        return self._read_stalled
 
     def _uncancelled(self) -> set[str]:
-        # Late READs NIXL could not cancel (logged once each).
-        return self.__dict__.setdefault("_rendezvous_read_uncancelled", set())
+        return self._read_uncancelled
 
     def _read_blocks_for_req(self, req_id, meta):
         if not self._read_timeout_s:

@@ -121,11 +121,15 @@ send_stamps = StampSender().send
 class StageClock:
     """Mixin for the connector scheduler (push or pull, either role); put before vLLM's class."""
 
+    def init_stages(self) -> None:
+        # started: prefill leg -> (first allocation, prompt tokens, tokens it computes: less what it reads from
+        # elsewhere, a conversation's history); requested: decode request -> when blocks were allocated for remote
+        # KV; timeout: its KV deadline (seconds); blocks: decode request -> its block ids, to tell a failed load
+        # (vLLM reports invalid blocks) from a landed one.
+        self._stage_state: dict[str, Any] = {"started": {}, "requested": {}, "blocks": {}, "timeout": {}}
+
     def _state(self) -> dict[str, Any]:
-        # Swapped in: no __init__ ran. started: prefill leg -> (first allocation, prompt tokens, tokens it
-        # computes: less what it reads from elsewhere, a conversation's history); requested: decode request -> blocks allocated for remote KV; timeout: its KV deadline (seconds).
-        # blocks: decode request -> its block ids, to tell a failed load (vLLM reports invalid blocks) from a landed one.
-        return self.__dict__.setdefault("_rendezvous_stage_state", {"started": {}, "requested": {}, "blocks": {}, "timeout": {}})
+        return self._stage_state
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         kv_params = request.kv_transfer_params

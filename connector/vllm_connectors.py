@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
 from connector.idle_wait import IdleScheduler, IdleWorker
+from connector.push_reuse import ReuseScheduler, ReuseWorker
 from connector.kv_checksum import KvChecksums
 from connector.nixl_progress import calm_progress_threads, reads_cancel
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
@@ -85,49 +86,60 @@ def _keep_cpu_affinity(role: KVConnectorRole):
             logger.info("restored CPU affinity %s after NIXL worker init", sorted(before))
 
 
-def _settings(vllm_config) -> tuple[ConnectorSettings, list[str]]:
-    """Ours, parsed once (a misspelt key fails the engine's start, before NIXL is set up), and the NIXL backends."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-    return ConnectorSettings.parse(extra), backends(extra)
-
-
 def _worker_meta(connector):
     """The worker's metadata for the scheduler (reuse offers in push, KV sums in pull); None on the scheduler side."""
     build = getattr(connector.connector_worker, "build_connector_worker_meta", None)
     return build() if build is not None else None
 
 
+def _extend(obj, cls, settings: ConnectorSettings, vllm_config) -> None:
+    """Give vLLM's own connector scheduler or worker our features: their state first (``cls.init_features``, on
+    ``obj`` as it is), then ``obj`` becomes a ``cls``. Swapped in rather than constructed: vLLM builds both in its
+    connector's ``__init__``, and building a second NIXL worker would open a second agent. State before class: the
+    push worker's writer thread is running already and reaches an overridden hook as soon as the class changes."""
+    cls.init_features(obj, settings, vllm_config)
+    obj.__class__ = cls
+
+
 class PushScheduler(TransfersFirst, StageClock, IdleScheduler):
-    pass
+    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
+        self._kv_timeout_s, self._registered = settings.kv_timeout_s, {}
+        StageClock.init_stages(self)
+        ReuseScheduler.init_reuse(self)
+        IdleScheduler.init_idle(self, vllm_config)
 
 
 class PullScheduler(PullSumsScheduler, TransfersFirst, StageClock, HistoryPullScheduler):
-    pass
+    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
+        self._kv_timeout_s = settings.kv_timeout_s  # tells a failure at the deadline (connector.stages)
+        StageClock.init_stages(self)
+        PullSumsScheduler.init_pull_sums(self, settings.kv_checksums)
 
 
 class PullWorker(PullSumsWorker, ReadDeadline, NixlPullConnectorWorker):
-    pass
+    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
+        PullSumsWorker.init_pull_checksums(self, settings.kv_checksums, settings.kv_peer_tp_size)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        ReadDeadline.init_read_deadline(self, settings.kv_timeout_s, reads_cancel(backends(extra)))
 
 
 class PushWorker(KvChecksums, WriteClock, IdleWorker):
-    pass
+    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
+        KvChecksums.init_checksums(self, settings.kv_checksums)
+        self._recv_expiry, self._aborted_legs = {}, {}
+        ReuseWorker.init_reuse(self)
+        IdleWorker.init_idle(self)
 
 
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        settings, nixl_backends = _settings(vllm_config)
-        calm_progress_threads(nixl_backends)
+        settings = ConnectorSettings.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        calm_progress_threads(backends(vllm_config.kv_transfer_config.kv_connector_extra_config))
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
-        # Swapped in rather than constructed: vLLM builds its own scheduler and worker in
-        # __init__, and building a second NIXL worker would open a second agent.
         if self.connector_scheduler is not None:
-            self.connector_scheduler.__class__ = PushScheduler
-            self.connector_scheduler._kv_timeout_s = settings.kv_timeout_s
-            self.connector_scheduler._registered = {}
-            self.connector_scheduler.init_reuse()
-            self.connector_scheduler.init_idle(vllm_config)
+            _extend(self.connector_scheduler, PushScheduler, settings, vllm_config)
         if self.connector_worker is not None:
             if getattr(self.connector_worker, "_is_hma_required", False):
                 # vLLM reports no invalid blocks for multi-group KV: a failed load would look
@@ -135,12 +147,7 @@ class RendezvousPushConnector(NixlPushConnector):
                 # offers no history for such models (see connector.push_reuse).
                 logger.warning("the KV deadline, checksums and history reuse are off: the model has several KV cache groups")
             else:
-                self.connector_worker.__class__ = PushWorker
-                self.connector_worker._kv_checksums = settings.kv_checksums
-                self.connector_worker._recv_expiry = {}
-                self.connector_worker._aborted_legs = {}
-                self.connector_worker.init_reuse()
-                self.connector_worker.init_idle()
+                _extend(self.connector_worker, PushWorker, settings, vllm_config)
 
     build_connector_worker_meta = _worker_meta
 
@@ -148,20 +155,13 @@ class RendezvousPushConnector(NixlPushConnector):
 class RendezvousPullConnector(NixlPullConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        settings, nixl_backends = _settings(vllm_config)
-        calm_progress_threads(nixl_backends)
+        settings = ConnectorSettings.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        calm_progress_threads(backends(vllm_config.kv_transfer_config.kv_connector_extra_config))
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
-        checksums, timeout_s = settings.kv_checksums, settings.kv_timeout_s  # timeout_s: a READ's deadline
-        if self.connector_scheduler is not None:  # swapped in, as for push above
-            self.connector_scheduler.__class__ = PullScheduler
-            self.connector_scheduler._kv_checksums = checksums
-            self.connector_scheduler._kv_timeout_s = timeout_s  # tells a failure at the deadline (connector.stages)
+        if self.connector_scheduler is not None:
+            _extend(self.connector_scheduler, PullScheduler, settings, vllm_config)
         if self.connector_worker is not None and type(self.connector_worker) is NixlPullConnectorWorker:
-            self.connector_worker.__class__ = PullWorker
-            self.connector_worker._kv_checksums = checksums
-            self.connector_worker._kv_peer_tp = settings.kv_peer_tp_size
-            self.connector_worker._read_timeout_s = timeout_s
-            self.connector_worker._reads_cancel = reads_cancel(nixl_backends)
+            _extend(self.connector_worker, PullWorker, settings, vllm_config)
 
     build_connector_worker_meta = _worker_meta

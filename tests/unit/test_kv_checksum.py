@@ -101,7 +101,9 @@ class Upstream:
 
 
 class Worker(KvChecksums, Upstream):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_checksums()
 
 
 def _pair():
@@ -212,7 +214,7 @@ def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notificat
     done, invalid, failed = _push(prefill, decode)
     assert done == {"rdv-1"} and not invalid and not failed
     assert list(decode._pending_completion_notifs.queue) == [b"rdv-0:1"]
-    assert not decode.__dict__["_rendezvous_expected_sums"]  # used once, then dropped
+    assert not decode._sums.expected  # used once, then dropped
 
 
 @pytest.mark.parametrize("fault", ["flip", "shift"])
@@ -301,7 +303,7 @@ def test_a_receive_is_held_until_the_device_has_digested_it_then_checked(tmp_pat
     assert decode._pop_done_transfers(decode._recving_transfers) == set() and decode._failed_recv_reqs.empty()
     assert decode._pop_done_transfers(decode._recving_transfers) == set()
     assert [decode._failed_recv_reqs.get_nowait()] == ["rdv-1"] and decode._invalid_block_ids.get_nowait() == {6, 5, 0}
-    assert len(made) == 2 and not decode.__dict__["_rendezvous_checking"]  # prefill's sums, decode's: once each
+    assert len(made) == 2 and not decode._sums.checking  # prefill's sums, decode's: once each
 
     (tmp_path / "fault").write_text("")
     Slow.steps = 1
@@ -355,7 +357,7 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     assert [prefill._failed_recv_reqs.get_nowait() for _ in range(prefill._failed_recv_reqs.qsize())] == sorted(mismatched)
     meta = prefill.build_connector_worker_meta()
     assert (meta.mismatched if meta else set()) == mismatched
-    assert not prefill.__dict__["_rendezvous_history_sums"]  # the offer's sums were found, and used once
+    assert not prefill._sums.history_sums  # the offer's sums were found, and used once
 
 
 def chunks_moved(sender_tp: int, sender_rank: int, reader_tp: int, reader_rank: int) -> tuple[slice, slice] | None:

@@ -52,7 +52,9 @@ class UpstreamScheduler:
 
 
 class Scheduler(PullSumsScheduler, UpstreamScheduler):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_pull_sums()
 
 
 def _request(rid, prompt_tokens, params):
@@ -225,7 +227,9 @@ class UpstreamPullWorker(Upstream):
 
 
 class Worker(PullSumsWorker, UpstreamPullWorker):
-    pass
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_pull_checksums()
 
 
 def _pull(prefill, decode, prefill_blocks=(1, 2, 3), decode_blocks=(7, 6, 5), read_back=False):

@@ -49,7 +49,9 @@ class VllmPullWorker:
 
 
 class Worker(ReadDeadline, VllmPullWorker):
-    _read_timeout_s = TIMEOUT_S
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.init_read_deadline(TIMEOUT_S, reads_cancel=True)
 
 
 @pytest.fixture

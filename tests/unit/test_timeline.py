@@ -181,7 +181,9 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
             return True, {"remote_block_ids": [1]}
 
     class Scheduler(StageClock, Upstream):
-        pass
+        def __init__(self):
+            super().__init__()
+            self.init_stages()
 
     scheduler = Scheduler()
     leg = SimpleNamespace(request_id="p", arrival_time=50.0, num_prompt_tokens=300,
@@ -220,7 +222,9 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
             return False, None
 
     class Scheduler(stages.StageClock, Upstream):
-        pass
+        def __init__(self):
+            super().__init__()
+            self.init_stages()
 
     def decode_request(rid):
         return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_prefill": True})
