@@ -238,7 +238,7 @@ class PullSumsWorker(KvSumsCheck):
 
     def init_pull_checksums(self, enabled: bool = DEFAULTS.kv_checksums,
                             peer_tp: int = DEFAULTS.kv_peer_tp_size) -> None:
-        self.init_checksums(enabled)
+        KvSumsCheck.init_checksums(self, enabled)  # named: it runs before the class swap (vllm_connectors._extend)
         self._kv_peer_tp = peer_tp
 
     def start_load_kv(self, metadata):
