@@ -38,7 +38,7 @@ from connector.params import (
     new_transfer_request_id,
 )
 
-logger = logging.getLogger("ray.serve.rendezvous.servers")
+logger = logging.getLogger("ray.serve.rendezvous.handoff")
 
 # Decode's own engine: (endpoint, request, raw request info) -> its response chunks.
 Engine = Callable[[str, Any, Any], Awaitable[AsyncIterator]]

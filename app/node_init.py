@@ -14,7 +14,7 @@ import logging
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.common.utils.cloud_utils import is_remote_path
 
-logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
+logger = logging.getLogger("ray.serve.rendezvous.node_init")  # under ray.serve: its handlers write the replica logs
 
 
 class SkipIdleNodeInit(CallbackBase):
