@@ -56,6 +56,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.kv_digest import DigestJob, digest_job
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.settings import DEFAULTS
 from connector.side_notifs import HISTORY_READ_ID, KV_SUMS_NOTIF, take
@@ -68,7 +69,6 @@ FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
 FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
-MAX_RUNS = 8  # runs of consecutive block ids summed one by one; more are gathered (kv_part_sums)
 SUMS_WAIT_S = 2.0  # how long a receive that landed before its senders' sums waits for them (then: unchecked)
 
 
@@ -118,65 +118,6 @@ class _Checking:
     expected: np.ndarray  # [1, blocks]
     job: DigestJob
     history: bool
-
-
-class DigestJob:
-    """Digests on their way to the host. On a GPU they are computed on a side stream (ordered after the
-    work already queued on the engine's stream) and copied to pinned memory, so a hook on the step
-    loop's thread never waits for the device: it asks :meth:`ready` at each step instead. Elsewhere
-    (CPU, or a device without streams) they are computed at once."""
-
-    def __init__(self, host, event=None, keep=None):
-        self._host, self._event, self._keep = host, event, keep
-
-    @classmethod
-    def of(cls, compute, device) -> DigestJob:
-        import torch
-
-        if getattr(device, "type", "cpu") != "cuda":
-            return cls(compute())
-        stream = _SIDE_STREAMS.get(device)
-        if stream is None:
-            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            digests = compute()
-            host = torch.empty(digests.shape, dtype=digests.dtype, pin_memory=True)
-            host.copy_(digests, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return cls(host, event, keep=digests)
-
-    def ready(self) -> bool:
-        return self._event is None or bool(self._event.query())
-
-    def result(self) -> np.ndarray:
-        """The digests, [1, blocks, parts] int64 (waits for the device if they are not ready)."""
-        if self._event is not None:
-            self._event.synchronize()
-        return self._host.numpy()
-
-
-_SIDE_STREAMS: dict = {}  # device -> the stream digests are computed on
-_WEIGHTS: dict = {}  # (regions, device) -> region_weights
-_MASK = (1 << 64) - 1
-
-
-def region_weights(regions: int, device):
-    """One odd 64-bit weight a layer region (as int64), the same on every engine: splitmix64 of its index."""
-    import torch
-
-    key = (regions, str(device))
-    if key not in _WEIGHTS:
-        words = []
-        for index in range(regions):
-            z = (index * 0x9E3779B97F4A7C15 + 0x9E3779B97F4A7C15) & _MASK
-            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-            word = (z ^ (z >> 31)) | 1
-            words.append(word - (1 << 64) if word >= 1 << 63 else word)
-        _WEIGHTS[key] = torch.tensor(words, dtype=torch.int64, device=device)
-    return _WEIGHTS[key]
 
 
 @dataclass
@@ -282,44 +223,10 @@ class KvSumsCheck:
         return None if job is None else job.result()
 
     def kv_digest_job(self, block_ids, parts: int = 1) -> DigestJob | None:
-        """The digests of :meth:`kv_part_sums`, computed without making the caller wait for the device
-        (on a GPU: on a side stream, copied to pinned host memory; :meth:`DigestJob.ready` says when).
-
-        A block's digest is the sum of its layer regions' int64 sums, each times an odd weight of its
-        region (:func:`region_weights`), all wrapping: one word a block, not one a (region, block), so
-        a 16k-token request's digests on 16-token blocks are 8 KiB a rank where the sums of a 64-layer
-        model's regions were 512 KiB. It is linear, like the sums: chunks' and ranks' digests add up to
-        a block's (connector.sum_ranks). A change to one region's bytes that changes its sum changes the
-        digest (an odd weight is invertible modulo 2**64); changes in several regions that cancel out
-        would go unseen, which the weights make as unlikely as a 64-bit collision for anything but an
-        adversary.
-
-        A few runs of consecutive ids are summed in place (the bytes read once, never copied); more
-        than :data:`MAX_RUNS` take one gather and one sum per region: a warm engine hands a request
-        blocks freed in reverse order, and a sum per run made a 16k-token request on a GPU's 16-token
-        blocks ~65k tiny ops per rank (docs/results/kv-checksum-gpu-geometry.json)."""
-        import torch
-
+        """The digests of :meth:`kv_part_sums` (one word a block: connector.kv_digest), computed without making
+        the caller wait for the device (:meth:`DigestJob.ready` says when they are in), or None if not covered."""
         regions = self._kv_regions()
-        if regions is None or any(region.shape[1] % parts for region in regions):
-            return None
-        ids = list(block_ids)
-        if not ids:
-            return DigestJob.of(lambda: torch.zeros((1, 0, parts), dtype=torch.int64), regions[0].device)
-        runs = _runs(ids)
-
-        def digests():
-            if len(runs) <= MAX_RUNS:
-                sums = torch.stack([torch.cat([region[start:start + n].reshape(n, parts, -1).sum(dim=2)
-                                               for start, n in runs]) for region in regions])
-            else:
-                index = torch.as_tensor(ids, dtype=torch.long, device=regions[0].device)
-                sums = torch.stack([region.index_select(0, index).reshape(len(ids), parts, -1).sum(dim=2)
-                                    for region in regions])
-            weights = region_weights(len(regions), regions[0].device)
-            return (sums * weights.view(-1, 1, 1)).sum(dim=0, keepdim=True)
-
-        return DigestJob.of(digests, regions[0].device)
+        return None if regions is None else digest_job(regions, block_ids, parts)
 
     def _warn_once(self, what: object, message: str, *args) -> None:
         """A warning logged once per worker for ``what``: why a kind of transfer goes unchecked (it stays so)."""
@@ -572,17 +479,6 @@ class KvChecksums(KvSumsCheck):
             received = expected.setdefault(sums.request_id, _Received(sums.producers))
             received.sums.append(np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1))
         return super()._get_new_notifs()
-
-
-def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
-    """(start, length) of each run of consecutive ids, in order: [4, 5, 6, 2, 3] -> [(4, 3), (2, 2)]."""
-    runs: list[tuple[int, int]] = []
-    for block in block_ids:
-        if runs and runs[-1][0] + runs[-1][1] == block:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((block, 1))
-    return runs
 
 
 def _history_key(request_id: str) -> str:

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from connector.kv_checksum import KvSumsCheck, region_weights
+from connector.kv_checksum import KvSumsCheck
+from connector.kv_digest import region_weights
 
 REGIONS, CACHE_BLOCKS, BLOCK_WORDS = 64 * 2, 1100, 16 * 1 * 128 * 2 // 8  # int64 words of one region's block
 NIXL_WRITE_GBPS = 7.0  # bench nixl-bandwidth on this box (docs/benchmarks.md, "NIXL bandwidth")

@@ -16,7 +16,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
-from connector import kv_checksum
+from connector import kv_checksum, kv_digest
 from connector.kv_checksum import KvChecksums, mismatches
 from connector.side_notifs import KV_SUMS_NOTIF, SideRoutingQueue
 
@@ -180,7 +180,7 @@ def test_the_number_of_tensor_ops_does_not_grow_with_scattered_blocks(parts):
     gathered = ops(list(range(1023, -1, -1)))
     assert gathered == ops(list(range(15, -1, -1))) == ops(list(range(0, 1024, 2)))  # more runs than MAX_RUNS
     assert ops(list(range(1024))) == ops(list(range(16)))  # one run: summed in place
-    bound = (4 * kv_checksum.MAX_RUNS + 4) * len(regions) + 8  # a constant: ops a region, whatever the block count
+    bound = (4 * kv_digest.MAX_RUNS + 4) * len(regions) + 8  # a constant: ops a region, whatever the block count
     assert max(gathered, ops([5, 900, 3]), ops(list(range(1024)))) <= bound
 
 
@@ -189,7 +189,7 @@ def test_a_blocks_digest_is_its_regions_sums_weighed_by_odd_words_in_the_order_a
     ids = [5, 6, 7, 0, 2]
     digests = worker.kv_sums(ids)
     caches = list(worker.device_kv_caches.values())
-    weights = [int(w) % 2**64 for w in kv_checksum.region_weights(worker.num_regions, "cpu")]
+    weights = [int(w) % 2**64 for w in kv_digest.region_weights(worker.num_regions, "cpu")]
     assert all(w % 2 for w in weights) and len(set(weights)) == worker.num_regions
     for position, block in enumerate(ids):
         sums = [int(caches[region // 2][region % 2, block].contiguous().view(torch.int64).sum()) % 2**64
@@ -287,14 +287,14 @@ def test_a_receive_is_held_until_the_device_has_digested_it_then_checked(tmp_pat
     vLLM sees the receive (or its failure) at the step where they are in, never before."""
     made = []
 
-    class Slow(kv_checksum.DigestJob):
+    class Slow(kv_digest.DigestJob):
         steps = 2  # steps the device takes
 
         def ready(self):
             Slow.steps -= 1
             return Slow.steps < 0
 
-    monkeypatch.setattr(kv_checksum.DigestJob, "of", classmethod(lambda cls, compute, device: made.append(1) or Slow(compute())))
+    monkeypatch.setattr(kv_digest.DigestJob, "of", classmethod(lambda cls, compute, device: made.append(1) or Slow(compute())))
     (tmp_path / "fault").write_text("flip")
     monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
     monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
@@ -434,7 +434,7 @@ def test_a_block_is_summed_in_chunks_that_add_up_to_its_sum():
     assert chunks.shape == (1, 3, 4)
     assert (chunks.sum(axis=2) == worker.kv_sums(ids)).all()  # int64, wrapping: digests add up as sums do
     caches = list(worker.device_kv_caches.values())
-    weights = [int(w) for w in kv_checksum.region_weights(worker.num_regions, "cpu")]
+    weights = [int(w) for w in kv_digest.region_weights(worker.num_regions, "cpu")]
     chunk_sums = [int(caches[r // 2][r % 2, 3, 16:32].contiguous().view(torch.int64).sum()) for r in range(LAYERS * 2)]
     assert int(chunks[0, 0, 1]) % 2**64 == sum(w * s for w, s in zip(weights, chunk_sums)) % 2**64
     assert worker.kv_part_sums(ids, 3) is None  # 64 float32 a block: not three equal chunks of whole words
