@@ -81,10 +81,9 @@ class Handoff:
         self._on_prefill_params, self._on_kept = on_prefill_params, on_kept
         self._legs_out: dict[str, asyncio.Event] = {}  # push: request id -> set once its legs went out
         self._work: dict[str, int] = {}  # request id -> its prompt tokens, while its handoff runs
-        # Push: request id -> when decode's engine gives up its KV, fixed in the leg when it went out; and those
-        # whose prefill answered (only then is the KV due: a leg still queued behind others is waiting).
-        self._kv_given_up_at: dict[str, float] = {}
-        self._kv_due: set[str] = set()
+        # Push: request id -> when decode's engine gives up its KV (fixed in the leg when it went out), known once
+        # prefill answered (only then is the KV due: a leg still queued behind others is waiting); None before.
+        self._kv_given_up_at: dict[str, float | None] = {}
 
     async def remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history=None,
                                  keep=False, hand_off=False):
@@ -98,13 +97,12 @@ class Handoff:
         finally:
             self._work.pop(request.request_id, None)
             self._kv_given_up_at.pop(request.request_id, None)
-            self._kv_due.discard(request.request_id)
 
     def kv_given_up_at(self, request_id: str) -> float | None:
         """Push, once prefill answered: when decode's engine gives up waiting for the KV (wall clock), fixed in
         the leg when it went out. The request is no longer queued: its queue deadline must leave room after this
         for decode's recompute (a share of the KV that never lands is the ladder's, not the queue's)."""
-        return self._kv_given_up_at.get(request_id) if request_id in self._kv_due else None
+        return self._kv_given_up_at.get(request_id)
 
     async def _remote_or_fallback(self, request, raw_request_info, endpoint: str, served: Served, history, keep,
                                   hand_off):
@@ -248,9 +246,10 @@ class Handoff:
         kv_s = self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0)
         if kv_s > self.deadlines.kv_floor_s:  # else the engine's own default (handoff.kv_timeout_s) is the same
             decode_request.kv_transfer_params = {**(decode_request.kv_transfer_params or {}), KV_DEADLINE_KEY: kv_s}
-        self._kv_given_up_at[request_id] = time.time() + max(kv_s, self.deadlines.kv_floor_s)
+        given_up_at = time.time() + max(kv_s, self.deadlines.kv_floor_s)
+        self._kv_given_up_at[request_id] = None
         prefill = asyncio.create_task(_drain_prefill(prefill_resp))
-        prefill.add_done_callback(lambda task: self._prefill_done(request_id, task))
+        prefill.add_done_callback(lambda task: self._prefill_done(request_id, task, given_up_at))
         decode = await self._engine(method, decode_request, raw_request_info)
         chunks = decode.__aiter__()
         next_chunk = asyncio.ensure_future(chunks.__anext__())
@@ -293,13 +292,14 @@ class Handoff:
                 prefill_resp.cancel()
                 prefill.cancel()
 
-    def _prefill_done(self, request_id: str, prefill: asyncio.Task) -> None:
-        """Push: keep what prefill's response reports (reuse; the engine's stage stamps)."""
+    def _prefill_done(self, request_id: str, prefill: asyncio.Task, kv_given_up_at: float) -> None:
+        """Push: keep what prefill's response reports (reuse; the engine's stage stamps), and from now on when
+        decode's engine gives up the KV."""
         if prefill.cancelled() or prefill.exception() is not None:
             return
         params = prefill.result()[1] or {}
-        if request_id in self._kv_given_up_at:
-            self._kv_due.add(request_id)
+        if request_id in self._kv_given_up_at:  # not if the handoff ended meanwhile
+            self._kv_given_up_at[request_id] = kv_given_up_at
         timeline = self._timelines.get(request_id)
         if timeline is not None:
             timeline.stamp(PREFILL_ANSWERED, time.time())

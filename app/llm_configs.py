@@ -42,6 +42,7 @@ CPU_DEFAULT_ENV = {
 
 
 def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
+    # nixl.extra_config holds none of ours (NixlArgs refuses them): ours come from handoff.* and the TP sizes.
     extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
     if args.mode is TransferMode.PUSH:
         ours = ConnectorSettings(kv_timeout_s=args.handoff.kv_timeout_s, kv_checksums=args.handoff.kv_checksums)
@@ -56,7 +57,6 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
             extra[DECODER_BLOCKS_TTL_KEY] = args.conversations.retention_s
             extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     extra.update(ours.extra())
-    ConnectorSettings.parse(extra)  # what nixl.extra_config adds must be ours too: refused here, not in the engine
     return {
         "kv_connector": CONNECTOR_CLASS[args.mode],
         "kv_connector_module_path": CONNECTOR_MODULE,

@@ -108,7 +108,6 @@ def region_weights(regions: int, device):
     return _WEIGHTS[key]
 
 
-
 def _runs(block_ids: list[int]) -> list[tuple[int, int]]:
     """(start, length) of each run of consecutive ids, in order: [4, 5, 6, 2, 3] -> [(4, 3), (2, 2)]."""
     runs: list[tuple[int, int]] = []

@@ -141,13 +141,10 @@ class PullSumsScheduler:
         # check READs against; history_mismatched: prefill legs whose history READ landed wrong.
         self._pull_sums = {"legs": {}, "finished": {}, "kept": {}, "expected": {}, "history_mismatched": set()}
 
-    def _sums_state(self) -> dict[str, Any]:
-        return self._pull_sums
-
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         params = request.kv_transfer_params
         if self._kv_checksums and params:
-            state, prompt_tokens = self._sums_state(), len(request.prompt_token_ids or ())
+            state, prompt_tokens = self._pull_sums, len(request.prompt_token_ids or ())
             if is_prefill_leg(params):
                 state["legs"][request.request_id] = _Leg(prompt_tokens, whole_blocks_only=False)
                 if params.get(KV_SUMS_KEY) and params.get("remote_block_ids") and not params.get(READ_PLANNED_KEY):
@@ -161,7 +158,7 @@ class PullSumsScheduler:
 
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
-        state = self._sums_state()
+        state = self._pull_sums
         state["finished"].clear()  # their step's outputs are gone: sums that did not come are not sent
         if state["expected"]:
             setattr(meta, EXPECTED_ATTR, state["expected"])
@@ -190,7 +187,7 @@ class PullSumsScheduler:
         return meta
 
     def _completes(self, req_id: str, computed_after_step: int, completing: dict[str, list[int]]) -> None:
-        leg = self._sums_state()["legs"][req_id]
+        leg = self._pull_sums["legs"][req_id]
         if leg.summed or computed_after_step < leg.prompt_tokens or not leg.blocks:
             return
         leg.summed = True
@@ -201,7 +198,7 @@ class PullSumsScheduler:
     def request_finished(self, request, block_ids):
         prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
         delay, params = super().request_finished(request, block_ids)
-        state, req_id = self._sums_state(), request.request_id
+        state, req_id = self._pull_sums, request.request_id
         leg, kept = state["legs"].pop(req_id, None), state["kept"].pop(req_id, None)
         mismatched = req_id in state["history_mismatched"]
         state["history_mismatched"].discard(req_id)
@@ -220,7 +217,7 @@ class PullSumsScheduler:
         summed = connector_output.kv_connector_worker_meta
         if not isinstance(summed, PulledSums):
             return
-        state = self._sums_state()
+        state = self._pull_sums
         state["history_mismatched"] |= summed.history_mismatched
         for req_id in summed.sums:
             params = state["finished"].pop(req_id, None)

@@ -49,21 +49,12 @@ class ReadDeadline:
         self._read_stalled: set[str] = set()  # fault injection: READs never posted
         self._read_uncancelled: set[str] = set()  # late READs NIXL could not cancel (logged once each)
 
-    def _read_clock(self) -> dict[str, float]:
-        return self._read_posted
-
-    def _stalled(self) -> set[str]:
-        return self._read_stalled
-
-    def _uncancelled(self) -> set[str]:
-        return self._read_uncancelled
-
     def _read_blocks_for_req(self, req_id, meta):
         if not self._read_timeout_s:
             return super()._read_blocks_for_req(req_id, meta)
-        self._read_clock()[req_id] = time.monotonic()
+        self._read_posted[req_id] = time.monotonic()
         if injected_fault() == "stall-read":  # only where the deadline will end it
-            self._stalled().add(req_id)
+            self._read_stalled.add(req_id)
             logger.warning("fault injection: %s's READ is never posted", req_id)
             return None
         return super()._read_blocks_for_req(req_id, meta)
@@ -73,7 +64,7 @@ class ReadDeadline:
         if self._read_timeout_s and spec is not None and injected_fault() == "drop-rank":
             producers = self.transfer_topo.get_engine_info(kwargs["dst_engine_id"]).remote_tp_size
             if producers > 1 and spec.remote_rank == producers - 1:
-                self._stalled().add(req_id)
+                self._read_stalled.add(req_id)
                 logger.warning("fault injection: %s's share on producer rank %d is never READ", req_id, spec.remote_rank)
                 return None
         return super()._read_blocks(*args, **kwargs)
@@ -81,19 +72,19 @@ class ReadDeadline:
     def _pop_done_transfers(self, transfers):
         done = super()._pop_done_transfers(transfers)
         if transfers is self._recving_transfers:
-            done -= self._stalled()  # part of its KV never READ: not received (its deadline fails it)
+            done -= self._read_stalled  # part of its KV never READ: not received (its deadline fails it)
         return done
 
     def get_finished(self):
         self._cancel_late_reads(time.monotonic())
         done_sending, done_recving = super().get_finished()
         for req_id in done_recving:
-            self._read_clock().pop(req_id, None)
-            self._uncancelled().discard(req_id)
+            self._read_posted.pop(req_id, None)
+            self._read_uncancelled.discard(req_id)
         return done_sending, done_recving
 
     def _cancel_late_reads(self, now: float) -> None:
-        clock, stalled = self._read_clock(), self._stalled()
+        clock, stalled = self._read_posted, self._read_stalled
         for req_id, posted in list(clock.items()):
             if now - posted < self._read_timeout_s:
                 continue
@@ -102,8 +93,8 @@ class ReadDeadline:
                 continue
             handles = self._recving_transfers.get(req_id, [])
             if handles and not self._reads_cancel:
-                if req_id not in self._uncancelled():
-                    self._uncancelled().add(req_id)
+                if req_id not in self._read_uncancelled:
+                    self._read_uncancelled.add(req_id)
                     logger.warning("READ of %s past its deadline: this NIXL backend cannot cancel a posted READ, so "
                                    "its blocks are kept until it completes or fails", req_id)
                 continue
@@ -111,8 +102,8 @@ class ReadDeadline:
                 try:
                     self.nixl_wrapper.release_xfer_handle(handles[0])
                 except Exception as e:  # NIXL could not cancel it: it may still write, so keep the blocks
-                    if req_id not in self._uncancelled():
-                        self._uncancelled().add(req_id)
+                    if req_id not in self._read_uncancelled:
+                        self._read_uncancelled.add(req_id)
                         logger.warning("READ of %s past its deadline could not be cancelled (%s); waiting for it",
                                        req_id, e)
                     break

@@ -128,24 +128,21 @@ class StageClock:
         # (vLLM reports invalid blocks) from a landed one.
         self._stage_state: dict[str, Any] = {"started": {}, "requested": {}, "blocks": {}, "timeout": {}}
 
-    def _state(self) -> dict[str, Any]:
-        return self._stage_state
-
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         kv_params = request.kv_transfer_params
         decode_leg = is_decode_leg(kv_params)  # before vLLM clears the flag
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         if is_prefill_leg(request.kv_transfer_params):
             prompt = request.num_prompt_tokens
-            self._state()["started"].setdefault(request.request_id, (time.time(), prompt, prompt - num_external_tokens))
+            self._stage_state["started"].setdefault(request.request_id, (time.time(), prompt, prompt - num_external_tokens))
         elif decode_leg and num_external_tokens > 0:
-            self._state()["requested"].setdefault(request.request_id, time.time())
-            self._state()["timeout"][request.request_id] = kv_timeout_of(kv_params, getattr(self, "_kv_timeout_s", None))
-            self._state()["blocks"][request.request_id] = {b for group in blocks.get_block_ids() for b in group}
+            self._stage_state["requested"].setdefault(request.request_id, time.time())
+            self._stage_state["timeout"][request.request_id] = kv_timeout_of(kv_params, getattr(self, "_kv_timeout_s", None))
+            self._stage_state["blocks"][request.request_id] = {b for group in blocks.get_block_ids() for b in group}
 
     def update_connector_output(self, connector_output):
         super().update_connector_output(connector_output)
-        state, now = self._state(), time.time()
+        state, now = self._stage_state, time.time()
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
         for request_id in connector_output.finished_recving or ():
             at = state["requested"].pop(request_id, None)
@@ -161,7 +158,7 @@ class StageClock:
                 send_stamps(DecodeKvStamps(request_id, requested=at, landed=now))
 
     def request_finished(self, request, block_ids):
-        state = self._state()
+        state = self._stage_state
         started, prompt, computed = state["started"].pop(request.request_id, None) or (None, None, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         state["blocks"].pop(request.request_id, None)

@@ -134,8 +134,9 @@ class PushWorker(KvChecksums, WriteClock, IdleWorker):
 class RendezvousPushConnector(NixlPushConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        settings = ConnectorSettings.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        calm_progress_threads(backends(vllm_config.kv_transfer_config.kv_connector_extra_config))
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.parse(extra)
+        calm_progress_threads(backends(extra))
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
@@ -155,8 +156,9 @@ class RendezvousPushConnector(NixlPushConnector):
 class RendezvousPullConnector(NixlPullConnector):
     def __init__(self, vllm_config, role, kv_cache_config):
         die_with_parent()
-        settings = ConnectorSettings.parse(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        calm_progress_threads(backends(vllm_config.kv_transfer_config.kv_connector_extra_config))
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        settings = ConnectorSettings.parse(extra)
+        calm_progress_threads(backends(extra))
         with _keep_cpu_affinity(role):
             super().__init__(vllm_config, role, kv_cache_config)
         if self.connector_scheduler is not None:
