@@ -1,6 +1,6 @@
 """Engines that wait for pushed KV without stepping (vLLM-side; imports neither Ray nor ``app``).
 
-vLLM 0.29's engine loop keeps stepping while a request waits for remote KV: each empty
+vLLM's engine loop (0.29 to 0.32) keeps stepping while a request waits for remote KV: each empty
 step is a schedule, an RPC to the worker process and back, then 1 ms of sleep. The
 worker process, woken that often, never leaves the busy loop of its RPC queue (vLLM's
 ``SpinCondition`` spins for a second after each message). A decode engine waiting for a
@@ -210,6 +210,20 @@ class _PollWhileDue(threading.Event):
         return super().wait(timeout)
 
 
+class _WakeOnPut(queue.Queue):
+    """vLLM's queue of failed receives (what it held carried over); each put wakes the engine to report it."""
+
+    def __init__(self, wake, before: queue.Queue):
+        super().__init__()
+        self._wake = wake
+        while not before.empty():
+            super().put(before.get_nowait())
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        self._wake()
+
+
 class _WakingQueue(SideRoutingQueue):
     """Completion notifications forwarded by the writer thread; each one wakes the engine.
     Ours go aside (``connector.side_notifs``) and wait for the next step."""
@@ -265,6 +279,8 @@ class IdleWorker(ReuseWorker):
         self._idle_wake = WorkerWake(self.engine_id, dp_rank)
         self._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata) and self._idle_wake.idle_now)
         self._pending_completion_notifs = _WakingQueue(self._idle_wake.wake, lambda: self._push_writer_thread)
+        # A failed receive is queued here by whichever thread sees it (a handshake's callback, a deadline)
+        self._failed_recv_reqs = _WakeOnPut(self._idle_wake.wake, self._failed_recv_reqs)
 
     def start_load_kv(self, metadata):
         self._idle_wake.idle(getattr(metadata, IDLE_ATTR, False))
@@ -274,7 +290,3 @@ class IdleWorker(ReuseWorker):
         super()._handle_push_reg_notif(notif)
         self._idle_wake.wake()  # prefill: a registration (its WRITE may start now)
 
-    def _handle_failed_transfer(self, req_id, handle):
-        result = super()._handle_failed_transfer(req_id, handle)
-        self._idle_wake.wake()
-        return result

@@ -244,9 +244,9 @@ class KvSumsCheck:
         return expected
 
     def _pop_done_transfers(self, transfers):
-        done = super()._pop_done_transfers(transfers)
+        done, failed = super()._pop_done_transfers(transfers)
         if transfers is not getattr(self, "_recving_transfers", None):
-            return done
+            return done, failed
         # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most. Landed and
         # being summed (on a GPU: on a side stream): looked at again each step until the digests are in.
         awaited, checking = self._sums.awaited, self._sums.checking
@@ -274,13 +274,12 @@ class KvSumsCheck:
             if self._landed_right(req_id, checking.pop(req_id)):
                 continue
             done.discard(req_id)
-            self._invalid_block_ids.put(set(meta.local_block_ids[0]))
-            self._failed_recv_reqs.put(req_id)
+            failed.add(req_id)  # vLLM reports it failed and its blocks invalid (get_transfer_results)
             if history:  # prefill: the scheduler reports the turn (ReuseReason.MISMATCH)
                 self._sums.history_mismatched.add(req_id)
             else:  # decode: its replica counts the request (prefill="kv_mismatch")
                 send_stamps(DecodeKvStamps(req_id, failed=KvFailure.MISMATCH.value))
-        return done
+        return done, failed
 
     def _reading_history(self, req_id: str, meta) -> bool:
         """Whether this receive is a conversation's history read back by prefill (not a prompt's KV on decode)."""

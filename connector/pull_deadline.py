@@ -66,22 +66,22 @@ class ReadDeadline:
             if producers > 1 and spec.remote_rank == producers - 1:
                 self._read_stalled.add(req_id)
                 logger.warning("fault injection: %s's share on producer rank %d is never READ", req_id, spec.remote_rank)
-                return None
+                return True  # "posted": the other ranks' READs go on, and the deadline ends the request
         return super()._read_blocks(*args, **kwargs)
 
     def _pop_done_transfers(self, transfers):
-        done = super()._pop_done_transfers(transfers)
+        done, failed = super()._pop_done_transfers(transfers)
         if transfers is self._recving_transfers:
             done -= self._read_stalled  # part of its KV never READ: not received (its deadline fails it)
-        return done
+        return done, failed
 
-    def get_finished(self):
+    def get_transfer_results(self):
         self._cancel_late_reads(time.monotonic())
-        done_sending, done_recving = super().get_finished()
-        for req_id in done_recving:
+        results = super().get_transfer_results()
+        for req_id in results.finished_recving:
             self._read_posted.pop(req_id, None)
             self._read_uncancelled.discard(req_id)
-        return done_sending, done_recving
+        return results
 
     def _cancel_late_reads(self, now: float) -> None:
         clock, stalled = self._read_posted, self._read_stalled
@@ -115,4 +115,4 @@ class ReadDeadline:
             clock.pop(req_id)
             logger.warning("READ of %s not done %.0f s after it was posted: cancelled; its KV is recomputed",
                            req_id, now - posted)
-            self._handle_failed_transfer(req_id, None)
+            self._failed_recv_reqs.put(req_id)  # reported failed by the get_transfer_results that follows

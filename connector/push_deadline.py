@@ -105,9 +105,9 @@ class DeadlineWorker(NixlPushConnectorWorker):
         self._release_aborted()
         super().start_load_kv(metadata)
 
-    def get_finished(self):
-        self._fail_expired_receives(time.time())
-        return super().get_finished()
+    def get_transfer_results(self):
+        self._fail_expired_receives(time.time())  # queued as failed: the call below reports them
+        return super().get_transfer_results()
 
     def _get_new_notifs(self) -> set[str]:
         for notif in take(self._pending_completion_notifs, WONT_WRITE_NOTIF):
@@ -144,7 +144,7 @@ class DeadlineWorker(NixlPushConnectorWorker):
                 continue
             logger.warning("no KV pushed for %s before its deadline: reporting the load as failed", req_id)
             self.consumer_notification_counts_by_req.pop(req_id, None)
-            self._handle_failed_transfer(req_id, None)
+            self._failed_recv_reqs.put(req_id)
 
     def _do_start_push_kv(self, request_id, local_block_ids, registration_data):
         if registration_expired(registration_data, time.time(), WRITE_MARGIN_S):

@@ -134,7 +134,8 @@ class ReuseScheduler(DeadlineScheduler):
             if params.get(_READING) and num_external_tokens > 0:
                 params[REUSE_KEY] = False  # one load per request
                 local = self.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())
-                self._reqs_need_recv[request.request_id] = (request, local, ())
+                # (request, blocks, cached, awaiting_kvs): the request waits in WAITING_FOR_REMOTE_KVS
+                self._reqs_need_recv[request.request_id] = (request, local, (), True)
             return
         registration = self._push_pending_registrations.get(request.request_id)
         if registration is not None:  # decode: offer the blocks of the prefix-cache hit
@@ -177,6 +178,7 @@ class ReuseWorker(DeadlineWorker):
     # load are marked invalid and, with kv_load_failure_policy recompute, computed instead).
     _read_blocks_for_req = NixlPullConnectorWorker._read_blocks_for_req
     _read_blocks = NixlPullConnectorWorker._read_blocks
+    _read_blocks_mixed = NixlPullConnectorWorker._read_blocks_mixed  # KV split between DRAM and device
     _is_turn2_read_expired = NixlPullConnectorWorker._is_turn2_read_expired
 
     def init_reuse(self) -> None:
@@ -234,14 +236,14 @@ class ReuseWorker(DeadlineWorker):
                 self._read_history(rid, meta)
             else:
                 logger.warning("history read for %s: no handshake with decode (%s); recomputing", rid, error)
-                self._handle_failed_transfer(rid, None)
+                self._failed_recv_reqs.put(rid)
 
     def _read_history(self, rid: str, meta) -> None:
         try:
             self._read_blocks_for_req(rid, meta)
         except Exception:  # never take the engine down for an optimisation
             logger.exception("history read for %s failed to start; recomputing", rid)
-            self._handle_failed_transfer(rid, None)
+            self._failed_recv_reqs.put(rid)
 
     def _get_new_notifs(self) -> set[str]:
         take(self._pending_completion_notifs, HISTORY_READ_ID.encode())  # decode: nothing to do for them

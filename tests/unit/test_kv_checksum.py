@@ -94,10 +94,10 @@ class Upstream:
     def build_connector_worker_meta(self):
         return None
 
-    def _pop_done_transfers(self, transfers):
+    def _pop_done_transfers(self, transfers):  # vLLM 0.32: (done, failed)
         done = set(transfers)
         transfers.clear()
-        return done
+        return done, set()
 
 
 class Worker(KvChecksums, Upstream):
@@ -125,10 +125,13 @@ def _push(prefill, decode, request_id="rdv-1", local=(1, 2, 3, 4), remote=(6, 5,
                                                            local_physical_block_ids=(list(remote),), remote=None)
     decode._recving_transfers[request_id] = []
     decode._get_new_notifs()
-    done = decode._pop_done_transfers(decode._recving_transfers)
-    invalid = set().union(*[decode._invalid_block_ids.get_nowait() for _ in range(decode._invalid_block_ids.qsize())])
-    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
-    return done, invalid, failed
+    return _pop(decode)
+
+
+def _pop(worker) -> tuple[set, list]:
+    """The receives vLLM's ``get_transfer_results`` is told are done, and failed (it invalidates their blocks)."""
+    done, failed = worker._pop_done_transfers(worker._recving_transfers)
+    return done, sorted(failed)
 
 
 @pytest.mark.parametrize(
@@ -211,8 +214,8 @@ def test_one_flipped_byte_in_any_region_changes_the_blocks_digest():
 def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notifications():
     prefill, decode = _pair()
     decode._pending_completion_notifs.put(b"rdv-0:1")  # a completion of vLLM's: left for vLLM
-    done, invalid, failed = _push(prefill, decode)
-    assert done == {"rdv-1"} and not invalid and not failed
+    done, failed = _push(prefill, decode)
+    assert done == {"rdv-1"} and not failed
     assert list(decode._pending_completion_notifs.queue) == [b"rdv-0:1"]
     assert not decode._sums.expected  # used once, then dropped
 
@@ -223,14 +226,14 @@ def test_kv_that_lands_wrong_fails_the_receive_so_vllm_recomputes_it(fault, tmp_
     monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
     monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
     prefill, decode = _pair()
-    done, invalid, failed = _push(prefill, decode)
-    assert done == set() and failed == ["rdv-1"] and invalid == {6, 5, 0}
+    done, failed = _push(prefill, decode)
+    assert done == set() and failed == ["rdv-1"]
 
 
 def test_a_write_that_never_happened_is_caught_too():
     prefill, decode = _pair()
     prefill._xfer_blocks_for_req = lambda req_id, meta: (KvChecksums._send_kv_sums(prefill, meta), None)[1]
-    assert _push(prefill, decode)[2] == ["rdv-1"]
+    assert _push(prefill, decode)[1] == ["rdv-1"]
 
 
 def test_faults_need_both_switches(tmp_path, monkeypatch):
@@ -253,7 +256,7 @@ def test_layouts_the_sums_do_not_cover_send_none_and_check_nothing():
     prefill, decode = _pair()
     prefill.transfer_topo.get_engine_info = lambda engine_id: SimpleNamespace(
         remote_tp_size=8, remote_block_size=16, remote_physical_blocks_per_logical=1)  # more ranks than KV heads
-    done, _, failed = _push(prefill, decode)
+    done, failed = _push(prefill, decode)
     assert done == {"rdv-1"} and not failed and not prefill.notifs_sent
     hybrid = Worker("hybrid", seed=3)
     hybrid._has_mamba = True
@@ -299,16 +302,15 @@ def test_a_receive_is_held_until_the_device_has_digested_it_then_checked(tmp_pat
     monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
     monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
     prefill, decode = _pair()
-    assert _push(prefill, decode) == (set(), set(), [])  # landed, flipped, being digested: neither done nor failed
-    assert decode._pop_done_transfers(decode._recving_transfers) == set() and decode._failed_recv_reqs.empty()
-    assert decode._pop_done_transfers(decode._recving_transfers) == set()
-    assert [decode._failed_recv_reqs.get_nowait()] == ["rdv-1"] and decode._invalid_block_ids.get_nowait() == {6, 5, 0}
+    assert _push(prefill, decode) == (set(), [])  # landed, flipped, being digested: neither done nor failed
+    assert _pop(decode) == (set(), [])
+    assert _pop(decode) == (set(), ["rdv-1"])
     assert len(made) == 2 and not decode._sums.checking  # prefill's sums, decode's: once each
 
     (tmp_path / "fault").write_text("")
     Slow.steps = 1
-    assert _push(prefill, decode, request_id="rdv-2") == (set(), set(), [])
-    assert decode._pop_done_transfers(decode._recving_transfers) == {"rdv-2"} and decode._failed_recv_reqs.empty()
+    assert _push(prefill, decode, request_id="rdv-2") == (set(), [])
+    assert _pop(decode) == ({"rdv-2"}, [])
 
 
 @pytest.mark.parametrize("fault", ["", "flip", "shift"])
@@ -322,7 +324,7 @@ def test_kv_staged_through_host_memory_is_checked_where_nixl_moves_it(fault, tmp
     prefill.stage_through_host()
     decode.stage_through_host()
     assert prefill.kv_sums([1, 2]) is not None
-    done, invalid, failed = _push(prefill, decode)
+    done, failed = _push(prefill, decode)
     assert (done, failed) == (({"rdv-1"}, []) if not fault else (set(), ["rdv-1"]))
 
 
@@ -352,9 +354,7 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
         local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
         remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
     prefill._recving_transfers[rid] = []
-    done = prefill._pop_done_transfers(prefill._recving_transfers)
-    assert done == ({rid} - mismatched)
-    assert [prefill._failed_recv_reqs.get_nowait() for _ in range(prefill._failed_recv_reqs.qsize())] == sorted(mismatched)
+    assert _pop(prefill) == ({rid} - mismatched, sorted(mismatched))
     meta = prefill.build_connector_worker_meta()
     assert (meta.mismatched if meta else set()) == mismatched
     assert not prefill._sums.history_sums  # the offer's sums were found, and used once
@@ -381,9 +381,7 @@ def _receive(decode, request_id, remote, notifs):
                                                            local_physical_block_ids=(list(remote),), remote=None)
     decode._recving_transfers[request_id] = []
     decode._get_new_notifs()
-    done = decode._pop_done_transfers(decode._recving_transfers)
-    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
-    return done, failed
+    return _pop(decode)
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (1, 4), (2, 4), (4, 2)])
@@ -470,7 +468,7 @@ def test_a_history_read_back_between_different_tp_sizes_is_checked_against_every
             local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
             remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
         prefill._recving_transfers[rid] = []
-        done = prefill._pop_done_transfers(prefill._recving_transfers)
+        done = _pop(prefill)[0]
         assert done == (set() if corrupt and rank == prefill_tp - 1 else {rid})
 
 
@@ -502,12 +500,11 @@ def test_a_history_that_lands_before_a_decode_ranks_offer_waits_for_it_then_is_c
         local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
         remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
     prefill._recving_transfers[rid] = []
-    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()  # landed: its check waits
+    assert _pop(prefill)[0] == set()  # landed: its check waits
     now[0] += kv_checksum.SUMS_WAIT_S / 2
-    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()
+    assert _pop(prefill)[0] == set()
     prefill._handle_push_reg_notif(decodes[1].registrations_sent[0])
-    assert prefill._pop_done_transfers(prefill._recving_transfers) == (set() if corrupt else {rid})
-    assert list(prefill._failed_recv_reqs.queue) == ([rid] if corrupt else [])
+    assert _pop(prefill) == ((set(), [rid]) if corrupt else ({rid}, []))
 
 
 def test_a_history_whose_decode_rank_never_offers_is_given_up_on_after_the_wait(monkeypatch):
@@ -527,6 +524,6 @@ def test_a_history_whose_decode_rank_never_offers_is_given_up_on_after_the_wait(
         local_block_ids=[[6, 7]], local_physical_block_ids=([6, 7],),
         remote=SimpleNamespace(request_id=HISTORY_READ_ID, block_ids=([3, 1],)))
     prefill._recving_transfers[rid] = []
-    assert prefill._pop_done_transfers(prefill._recving_transfers) == set()
+    assert _pop(prefill)[0] == set()
     now[0] += kv_checksum.SUMS_WAIT_S + 0.1
-    assert prefill._pop_done_transfers(prefill._recving_transfers) == {rid}  # unchecked, as before: not held forever
+    assert _pop(prefill)[0] == {rid}  # unchecked, as before: not held forever

@@ -246,9 +246,8 @@ def _pull(prefill, decode, prefill_blocks=(1, 2, 3), decode_blocks=(7, 6, 5), re
         for local, remote in zip(prefill_blocks[len(prefill_blocks) - len(decode_blocks):], decode_blocks):
             theirs[:, remote] = mine[:, local]
     decode._recving_metadata["d"], decode._recving_transfers["d"] = reading, []
-    done = decode._pop_done_transfers(decode._recving_transfers)
-    failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
-    return done, failed
+    done, failed = decode._pop_done_transfers(decode._recving_transfers)
+    return done, sorted(failed)
 
 
 def test_a_clean_read_is_done_and_a_read_that_landed_wrong_is_failed_and_counted(monkeypatch, tmp_path):
@@ -290,7 +289,7 @@ def test_decode_reads_unchecked_where_prefill_sent_no_sums_it_can_pair_and_says_
     assert not decode._expected()
     assert len([r for r in caplog.records if "not checked" in r.getMessage()]) == 1
     decode._recving_metadata["d1"], decode._recving_transfers["d1"] = reading, []
-    assert decode._pop_done_transfers(decode._recving_transfers) == {"d1"}
+    assert decode._pop_done_transfers(decode._recving_transfers) == ({"d1"}, set())
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(2, 1), (4, 1), (1, 2), (1, 4), (2, 4), (4, 2)])
@@ -321,6 +320,5 @@ def test_between_different_tp_sizes_each_reader_rank_checks_exactly_its_share(pr
         if rank == wrong:
             next(iter(decode.device_kv_caches.values()))[0, 6, 0] += 1.0
         decode._recving_metadata["d"], decode._recving_transfers["d"] = reading, []
-        done = decode._pop_done_transfers(decode._recving_transfers)
-        failed = [decode._failed_recv_reqs.get_nowait() for _ in range(decode._failed_recv_reqs.qsize())]
-        assert (done, failed) == ((set(), ["d"]) if rank == wrong else ({"d"}, []))
+        done, failed = decode._pop_done_transfers(decode._recving_transfers)
+        assert (done, sorted(failed)) == ((set(), ["d"]) if rank == wrong else ({"d"}, []))

@@ -4,7 +4,9 @@ vLLM and NIXL calls are the seams'; test_pull runs the whole with a READ that is
 
 from __future__ import annotations
 
+import queue
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,27 +27,29 @@ class Nixl:
 
 
 class VllmPullWorker:
-    """What ReadDeadline relies on of vLLM's pull worker: a READ leaves its handles in
-    _recving_transfers; get_finished reports finished and failed receives."""
+    """What ReadDeadline relies on of vLLM 0.32's pull worker: a READ leaves its handles in
+    _recving_transfers; a receive put on _failed_recv_reqs is reported failed by the next
+    get_transfer_results, with the finished ones (the step's results are returned, not kept)."""
 
     def __init__(self, nixl: Nixl):
         self._recving_transfers = defaultdict(list)
-        self.nixl_wrapper, self.failed, self._failed = nixl, [], set()
+        self._failed_recv_reqs: queue.Queue = queue.Queue()
+        self.nixl_wrapper, self.failed, self._landed = nixl, [], set()
 
     def _read_blocks_for_req(self, req_id, meta):
         self._recving_transfers[req_id].append(f"{req_id}-handle")
 
-    def _handle_failed_transfer(self, req_id, handle):
-        self.failed.append(req_id)
-        self._failed.add(req_id)
+    def get_transfer_results(self):
+        done, self._landed = self._landed, set()
+        while not self._failed_recv_reqs.empty():
+            req_id = self._failed_recv_reqs.get_nowait()
+            self.failed.append(req_id)
+            done.add(req_id)
+        return SimpleNamespace(finished_sending=set(), finished_recving=done)
 
-    def get_finished(self):
-        done, self._failed = self._failed, set()
-        return set(), done
-
-    def land(self, req_id):  # the READ completed: vLLM pops it at the next get_finished
+    def land(self, req_id):  # the READ completed: vLLM pops it at the next get_transfer_results
         self._recving_transfers.pop(req_id)
-        self._failed.add(req_id)  # reported like a finished one (the sets are the same to the scheduler)
+        self._landed.add(req_id)
 
 
 class Worker(ReadDeadline, VllmPullWorker):
@@ -81,7 +85,7 @@ def test_a_late_read_is_cancelled_and_failed_once_nixl_lets_go(clock, steps, can
         clock[0] = posted + after
         if lands and i == len(steps) - 1:
             worker.land("r1")
-        worker.get_finished()
+        worker.get_transfer_results()
     assert worker.failed == failed
     assert worker.nixl_wrapper.released == released
     assert ("r1" in worker._recving_transfers) == (not failed and not lands)
@@ -98,11 +102,11 @@ def test_a_late_read_on_a_backend_that_cannot_cancel_it_keeps_its_blocks_until_n
     worker._reads_cancel = reads_cancel(backends)
     worker._read_blocks_for_req("r1", meta=None)
     clock[0] += TIMEOUT_S + 1
-    worker.get_finished()
+    worker.get_transfer_results()
     clock[0] += 60
     if lands:
         worker.land("r1")
-    worker.get_finished()
+    worker.get_transfer_results()
     assert worker.nixl_wrapper.released == [] and worker.failed == []
     assert ("r1" in worker._recving_transfers) is not lands
 
@@ -113,11 +117,11 @@ def test_a_read_that_is_never_posted_fails_at_its_deadline(clock, monkeypatch):
     worker._read_blocks_for_req("r1", meta=None)
     assert "r1" not in worker._recving_transfers  # nothing posted
     clock[0] += TIMEOUT_S - 1
-    assert worker.get_finished() == (set(), set())
+    assert worker.get_transfer_results().finished_recving == set()
     clock[0] += 2
-    assert worker.get_finished() == (set(), {"r1"}) and worker.failed == ["r1"]
+    assert worker.get_transfer_results().finished_recving == {"r1"} and worker.failed == ["r1"]
     clock[0] += 60
-    assert worker.get_finished() == (set(), set()), "reported once"
+    assert worker.get_transfer_results().finished_recving == set(), "reported once"
 
 
 def test_without_a_deadline_reads_are_not_clocked(clock):
@@ -125,5 +129,5 @@ def test_without_a_deadline_reads_are_not_clocked(clock):
     worker._read_timeout_s = None
     worker._read_blocks_for_req("r1", meta=None)
     clock[0] += 3600
-    worker.get_finished()
+    worker.get_transfer_results()
     assert worker.failed == [] and "r1" in worker._recving_transfers

@@ -51,7 +51,7 @@ PEER = PeerIdentity(engine_id="prefill-r0-10.0.0.5-20000-abc123", host="10.0.0.5
 
 def test_pinned_versions():
     assert ray.__version__ == "2.60.0"
-    assert vllm.__version__.startswith("0.29"), vllm.__version__
+    assert vllm.__version__ == seams.PINNED["vllm"], vllm.__version__
 
 
 # --------------------------------------------------------------------------- Ray: connector backend protocol
@@ -195,18 +195,21 @@ def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
 
     from connector.kv_checksum import KvChecksums
 
-    # Descriptors: rows of (address, length, device); all-attention descriptor ids are region * num_blocks + block.
-    assert "return (region_ids * num_blocks + block_arr).flatten()" in inspect.getsource(
-        base_worker.NixlBaseConnectorWorker._compute_desc_ids)
+    # Descriptors: rows of (address, length, device); all-attention descriptor ids are region * num_blocks + block
+    # (every region num_blocks long, unless told otherwise; one KV cache group: no region-to-group mapping).
+    desc_ids = inspect.getsource(base_worker.NixlBaseConnectorWorker._compute_desc_ids)
+    assert "region_num_blocks = [num_blocks] * num_desc_regions" in desc_ids
+    assert "region_offsets = np.cumsum([0, *region_num_blocks[:-1]])" in desc_ids
+    assert "return (region_offsets[:, None] + block_arr).ravel()" in desc_ids
     assert "self.src_blocks_data = (" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
     assert "self.device_kv_caches = kv_caches" in inspect.getsource(base_worker.NixlBaseConnectorWorker.register_kv_caches)
-    # A failed receive: its blocks reported invalid, the request put on the failed queue, which get_finished drains
-    # right after popping the done receives.
-    failed = inspect.getsource(base_worker.NixlBaseConnectorWorker._handle_failed_transfer)
-    assert "self._invalid_block_ids.put(set(meta.local_block_ids[0]))" in failed and "self._failed_recv_reqs.put(req_id)" in failed
-    finished = inspect.getsource(base_worker.NixlBaseConnectorWorker.get_finished)
-    assert 0 < finished.index("self._pop_done_transfers(self._recving_transfers)") < finished.index("self._failed_recv_reqs.empty()")
-    assert finished.index("self._get_new_notifs()") < finished.index("self._pop_done_transfers(self._recving_transfers)")
+    # A failed receive: what _pop_done_transfers returns as failed (and what is queued on _failed_recv_reqs) is
+    # reported finished with its blocks invalid, in the same get_transfer_results, after the notifications.
+    results = inspect.getsource(base_worker.NixlBaseConnectorWorker.get_transfer_results)
+    popped = results.index("done_recving, newly_failed = self._pop_done_transfers(self._recving_transfers)")
+    assert results.index("self._get_new_notifs()") < popped < results.index("self._recv_failures.update(newly_failed)")
+    assert popped < results.index("self._failed_recv_reqs.empty()") < results.index("done_recving.update(failed_recv_reqs)")
+    assert "self._invalid_block_ids.put(set(meta.local_block_ids[0]))" in results
     # Push: a completion notification makes an empty transfer entry, popped as done.
     assert "self._recving_transfers.setdefault(req_id, [])" in inspect.getsource(push_worker.NixlPushConnectorWorker._get_new_notifs)
     # A remote engine's agents are keyed by (pp rank, tp rank).
@@ -651,7 +654,7 @@ def test_vllm_push_internals_our_overrides_use():
         (DeadlineScheduler, "update_state_after_alloc"),
         (DeadlineScheduler, "request_finished"),
         (DeadlineWorker, "start_load_kv"),
-        (DeadlineWorker, "get_finished"),
+        (DeadlineWorker, "get_transfer_results"),
         (DeadlineWorker, "_do_start_push_kv"),
         (DeadlineWorker, "_handle_push_reg_notif"),
         (ReuseScheduler, "get_num_new_matched_tokens"),
@@ -684,7 +687,8 @@ def test_vllm_push_internals_our_overrides_use():
         "_pending_completion_notifs", "_physical_blocks_per_logical_kv_block",
     ):
         assert f"self.{name}" in worker_source, name
-    assert "def _handle_failed_transfer(self, req_id: str, handle: int | None)" in inspect.getsource(base_worker)
+    # A receive that will never land, failed as upstream's push worker fails one from its threads.
+    assert "self._failed_recv_reqs.put(" in inspect.getsource(push_worker)
     # Registration fields prefill reads from decode's PUSH_REG payload (a withdrawal keeps the addressing).
     from connector.push_deadline import _ADDRESSING
 
@@ -746,7 +750,6 @@ def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
         (IdleScheduler, push_scheduler.NixlPushConnectorScheduler, "build_connector_meta"),
         (IdleWorker, push_worker.NixlPushConnectorWorker, "start_load_kv"),
         (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_push_reg_notif"),
-        (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_failed_transfer"),
         (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_state_after_alloc"),
         (StageClock, push_scheduler.NixlPushConnectorScheduler, "request_finished"),
         (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_connector_output"),  # decode's "KV landed"
@@ -931,7 +934,7 @@ def test_seam(seam):
 def test_seam_messages_say_what_changed_and_what_to_reread():
     seam = next(s for s in seams.SEAMS if s.attribute == "_is_hma_required")
     message = seam.changed("is gone")
-    assert message.startswith("vllm 0.29.0 seam changed: NixlBaseConnectorWorker._is_hma_required (instance")
+    assert message.startswith(f"vllm {seams.PINNED['vllm']} seam changed: NixlBaseConnectorWorker._is_hma_required (instance")
     assert "Re-read connector/vllm_connectors.py" in message and "silently" in message
     gone = _seam_problem(seams.Seam("vllm", "vllm.v1.request:Request", "_no_such_name", "instance", ("x.py",), "test"))
     assert gone.startswith("is gone (no `self._no_such_name = ...` in vllm.v1.request:Request")

@@ -17,7 +17,7 @@ worker's own agent metadata under the peer's engine id, as vLLM's ``FakeNixlConn
 Every override of ours is wrapped by a spy that calls through; each scenario (push decode, push
 prefill, pull decode) runs once per module and each test asserts that one hook ran in it, so an
 upstream change fails a test named after the hook, e.g.
-``test_vllm_reaches_our_hook[push-worker-get_finished]``. ``test_every_override_is_covered_here``
+``test_vllm_reaches_our_hook[push-worker-get_transfer_results]``. ``test_every_override_is_covered_here``
 fails when a new override is added without a scenario that reaches it.
 """
 
@@ -37,15 +37,15 @@ import pytest
 
 HOOKS: dict[str, dict[str, tuple[str, ...]]] = {
     "push": {
-        "worker": ("_do_send_reg_notif", "_do_start_push_kv", "_get_new_notifs", "_handle_failed_transfer",
-                   "_handle_push_reg_notif", "_pop_done_transfers", "_xfer_blocks_for_req", "get_finished",
+        "worker": ("_do_send_reg_notif", "_do_start_push_kv", "_get_new_notifs",
+                   "_handle_push_reg_notif", "_pop_done_transfers", "_xfer_blocks_for_req", "get_transfer_results",
                    "start_load_kv"),
         "scheduler": ("build_connector_meta", "get_num_new_matched_tokens", "request_finished",
                       "update_connector_output", "update_state_after_alloc"),
         "connector": ("build_connector_worker_meta",),
     },
     "pull": {
-        "worker": ("_pop_done_transfers", "_read_blocks", "_read_blocks_for_req", "get_finished", "start_load_kv"),
+        "worker": ("_pop_done_transfers", "_read_blocks", "_read_blocks_for_req", "get_transfer_results", "start_load_kv"),
         "scheduler": ("build_connector_meta", "get_num_new_matched_tokens", "request_finished",
                       "update_connector_output", "update_state_after_alloc"),
         "connector": ("build_connector_worker_meta",),
