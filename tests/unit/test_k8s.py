@@ -39,7 +39,7 @@ from deploy.checks import (
 )
 from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
 from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
-from tests.unit.test_images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args
+from tests.unit.test_images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
@@ -617,13 +617,13 @@ def test_ray_start_resources(value, parsed):
 
 
 def _pinned_ray() -> str:
-    pyproject = (REPO / "pyproject.toml").read_text()
-    return re.search(r'"ray\[serve,llm\]==([0-9.]+)"', pyproject).group(1)
+    """Ray as pyproject.toml's gpu extra pins it (ray[serve]; ray[llm] is listed by hand, test_images.py)."""
+    return exact_pins(extra("gpu"))["ray"]
 
 
 def test_ray_version_is_the_same_everywhere():
     ray_version = _pinned_ray()
-    assert re.search(rf'"ray\[serve\]=={re.escape(ray_version)}"', (REPO / "pyproject.toml").read_text())
+    assert exact_pins(extra("cpu"))["ray"] == ray_version
     base = yaml.safe_load((REPO / "k8s" / "base" / "rayservice.yaml").read_text())
     assert base["spec"]["rayClusterConfig"]["rayVersion"] == ray_version
     # The images: Ray's own for GPUs (Python 3.11, the version the project is developed and tested on),
