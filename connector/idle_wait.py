@@ -44,7 +44,7 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from connector.push_reuse import ReuseScheduler, ReuseWorker
+from connector.feature import Feature
 from connector.side_notifs import SideRoutingQueue
 
 logger = logging.getLogger("vllm.rendezvous")
@@ -90,10 +90,23 @@ def ships_work(meta: Any, scheduler_output: Any) -> bool:
     )
 
 
+def engine_core() -> Any:
+    """This process's engine core (vLLM's ``EngineCoreProc``), or None: the owner of the thread that
+    feeds its input queue (its target is the core's ``process_input_sockets``). vLLM hands the connector no reference to it; the input thread is started
+    after the scheduler (and our connector) are built, so look it up when first needed."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    for thread in threading.enumerate():
+        owner = getattr(getattr(thread, "_target", None), "__self__", None)
+        if isinstance(owner, EngineCoreProc):
+            return owner
+    return None
+
+
 def stack_self(match) -> Any:
-    """The nearest ``self`` up the caller's stack that ``match`` accepts. vLLM builds our
-    connector from inside its engine core and calls the worker from inside its RPC loop;
-    it passes neither object down."""
+    """The nearest ``self`` up the caller's stack that ``match`` accepts. Only for the worker's RPC
+    reader (``WorkerWake``): vLLM's worker process holds it in a local of its main function, and
+    calls the worker from inside its loop; nothing else reaches it."""
     frame = sys._getframe(1)
     while frame is not None:
         candidate = frame.f_locals.get("self")
@@ -138,10 +151,10 @@ class EngineWake:
 
     @classmethod
     def for_this_engine(cls, vllm_config, engine_id: str) -> EngineWake | None:
-        from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+        from vllm.v1.engine.core import DPEngineCoreProc
 
         parallel = vllm_config.parallel_config
-        core = stack_self(lambda obj: isinstance(obj, EngineCoreProc))
+        core = engine_core()
         if core is None or isinstance(core, DPEngineCoreProc) or parallel.data_parallel_size > 1:
             logger.info("engine steps while it waits for KV (no engine core process here, or data parallel)")
             return None
@@ -240,21 +253,31 @@ class _WakingQueue(SideRoutingQueue):
             self._wake()
 
 
-class IdleScheduler(ReuseScheduler):
+class IdleScheduler(Feature):
     """Sleeps the engine core through steps that can only wait (see the module docstring)."""
 
-    _wake: EngineWake | None = None
-    _scheduler: Any = None
-    _last_idle = False  # the last step sent to the worker computed nothing
+    UPSTREAM = frozenset({"_push_registration_deadlines", "_finished_request_blocks"})
 
-    def init_idle(self, vllm_config) -> None:
-        from vllm.v1.core.sched.interface import SchedulerInterface
+    def __init__(self, host, vllm_config) -> None:
+        super().__init__(host)
+        self._vllm_config, self._engine_id = vllm_config, host.engine_id
+        # What the scheduler holds, as vLLM tells the connector: from on_new_request to request_finished.
+        self._requests: dict[str, Any] = {}
+        self._wake: EngineWake | None = None
+        self._looked = False  # for the engine core (its input thread starts after the scheduler is built)
+        self._last_idle = False  # the last step sent to the worker computed nothing
 
-        self._scheduler = stack_self(lambda obj: isinstance(obj, SchedulerInterface))
-        self._wake = EngineWake.for_this_engine(vllm_config, self.engine_id) if self._scheduler is not None else None
+    def new_request(self, request) -> None:
+        self._requests[request.request_id] = request
 
-    def build_connector_meta(self, scheduler_output):
-        meta = super().build_connector_meta(scheduler_output)
+    def finished(self, request) -> None:
+        self._requests.pop(request.request_id, None)
+
+    def built(self, meta, scheduler_output) -> None:
+        """After vLLM's build_connector_meta: mark an idle step for the worker; sleep if there is only waiting."""
+        if not self._looked:  # at the first step, before the worker's first contact (WorkerWake.idle)
+            self._looked = True
+            self._wake = EngineWake.for_this_engine(self._vllm_config, self._engine_id)
         idle = scheduler_output.total_num_scheduled_tokens == 0
         setattr(meta, IDLE_ATTR, idle)
         # After a busy step, this idle one goes to the worker first: it starts polling then.
@@ -262,31 +285,32 @@ class IdleScheduler(ReuseScheduler):
         if idle and was_idle and self._wake is not None and self._wake.armed and not ships_work(meta, scheduler_output):
             # Decode's registrations that await a push (vLLM clears do_remote_prefill once sent).
             awaited = self._push_registration_deadlines
-            requests = [(r.status, rid in awaited) for rid, r in self._scheduler.requests.items()]
+            requests = [(r.status, rid in awaited) for rid, r in self._requests.items()]
             timeout = idle_wait_s(requests, bool(self._finished_request_blocks))
             if timeout is not None:
                 self._wake.wait(timeout)
-        return meta
 
 
-class IdleWorker(ReuseWorker):
+class IdleWorker(Feature):
     """Wakes the engine core when something it waits for happens (see the module docstring)."""
 
-    _idle_wake: WorkerWake
+    UPSTREAM = frozenset({"_recving_metadata", "_push_writer_thread"})
 
-    def init_idle(self) -> None:
-        dp_rank = self.vllm_config.parallel_config.data_parallel_rank
-        self._idle_wake = WorkerWake(self.engine_id, dp_rank)
-        self._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata) and self._idle_wake.idle_now)
-        self._pending_completion_notifs = _WakingQueue(self._idle_wake.wake, lambda: self._push_writer_thread)
+    def __init__(self, host) -> None:
+        super().__init__(host)
+        dp_rank = host.vllm_config.parallel_config.data_parallel_rank
+        self._wake = WorkerWake(host.engine_id, dp_rank)
+        # vLLM's own objects, replaced by ones that wake the engine or poll while KV is due (the writer
+        # thread is running already: each is whole before it is set).
+        host._push_writer_wake = _PollWhileDue(lambda: bool(self._recving_metadata) and self._wake.idle_now)
+        host._pending_completion_notifs = _WakingQueue(self._wake.wake, lambda: self._push_writer_thread)
         # A failed receive is queued here by whichever thread sees it (a handshake's callback, a deadline)
-        self._failed_recv_reqs = _WakeOnPut(self._idle_wake.wake, self._failed_recv_reqs)
+        host._failed_recv_reqs = _WakeOnPut(self._wake.wake, host._failed_recv_reqs)
 
-    def start_load_kv(self, metadata):
-        self._idle_wake.idle(getattr(metadata, IDLE_ATTR, False))
-        super().start_load_kv(metadata)
+    def loading(self, metadata) -> None:
+        """Before vLLM's start_load_kv: whether the step computed nothing."""
+        self._wake.idle(getattr(metadata, IDLE_ATTR, False))
 
-    def _handle_push_reg_notif(self, notif: bytes) -> None:
-        super()._handle_push_reg_notif(notif)
-        self._idle_wake.wake()  # prefill: a registration (its WRITE may start now)
-
+    def registered(self) -> None:
+        """After vLLM took a registration (prefill): its WRITE may start now."""
+        self._wake.wake()

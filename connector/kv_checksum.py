@@ -56,6 +56,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.feature import Feature
 from connector.kv_digest import DigestJob, digest_job
 from connector.push_reuse import OFFER_KEY, ReuseOffers
 from connector.settings import DEFAULTS
@@ -148,14 +149,17 @@ def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:
     return [(int(r), int(b)) for r, b in zip(*np.nonzero(expected != got))]
 
 
-class KvSumsCheck:
-    """Mixin for a NIXL worker (put before vLLM's class): digests of blocks, and the check of a receive
-    against the digests its sender computed (``_expected``, filled by the mode's own mixin)."""
+class KvSumsCheck(Feature):
+    """On a NIXL worker: digests of blocks, and the check of a receive against the digests its sender
+    computed (``_expected``, filled by the mode's variant: :class:`KvChecksums` for push,
+    ``connector.pull_checksum.PullSumsWorker`` for pull)."""
 
-    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums
-    _sums: ChecksumState
+    UPSTREAM = frozenset({"src_blocks_data", "num_blocks", "num_regions", "host_xfer_buffers", "device_kv_caches",
+                          "use_host_buffer", "_has_mamba", "_is_hma_required", "_recving_transfers",
+                          "_recving_metadata", "world_size", "tp_rank"})
 
-    def init_checksums(self, enabled: bool = DEFAULTS.kv_checksums) -> None:
+    def __init__(self, host, enabled: bool = DEFAULTS.kv_checksums) -> None:
+        super().__init__(host)
         self._kv_checksums, self._sums = enabled, ChecksumState()
 
     def _kv_regions(self):
@@ -243,9 +247,10 @@ class KvSumsCheck:
             expected.popitem(last=False)
         return expected
 
-    def _pop_done_transfers(self, transfers):
-        done, failed = super()._pop_done_transfers(transfers)
-        if transfers is not getattr(self, "_recving_transfers", None):
+    def landed(self, transfers, done: set, failed: set) -> tuple[set, set]:
+        """After vLLM's _pop_done_transfers: of the receives it found done, hold those whose check is not
+        finished yet, and move those that landed wrong to ``failed`` (vLLM then recomputes them)."""
+        if transfers is not self._recving_transfers:
             return done, failed
         # Landed before every sender's sums: looked at again each step, for SUMS_WAIT_S at most. Landed and
         # being summed (on a GPU: on a side stream): looked at again each step until the digests are in.
@@ -320,14 +325,19 @@ class KvSumsCheck:
 
 
 class KvChecksums(KvSumsCheck):
-    """Mixin for the push worker (put before vLLM's class); both roles."""
+    """On the push worker; both roles."""
+
+    UPSTREAM = KvSumsCheck.UPSTREAM | {"transfer_topo", "tp_mappings", "_remote_agents", "nixl_wrapper",
+                                       "_physical_blocks_per_logical_kv_block", "_logical_to_kernel_block_ids",
+                                       "_pending_completion_notifs"}
 
     # ---------------------------------------------------------------- prefill: sums, then the WRITE
-    def _xfer_blocks_for_req(self, req_id, meta):
+    def writing(self, req_id, meta) -> bool:
+        """Before vLLM's WRITE (``_xfer_blocks_for_req``): send the sums; False to skip the WRITE (a test fault)."""
         remote = meta.remote
         if injected_fault() == "drop-rank" and self.world_size > 1 and self.tp_rank == self.world_size - 1:
             logger.warning("fault injection: TP rank %d does not WRITE its share of %s", self.tp_rank, req_id)
-            return None
+            return False
         try:
             self._send_kv_sums(meta)
         except Exception:  # a check is never worth a transfer
@@ -336,7 +346,7 @@ class KvChecksums(KvSumsCheck):
             ids = list(remote.block_ids[0])
             remote.block_ids = (ids[1:] + ids[:1], *remote.block_ids[1:])
             logger.warning("fault injection: %s's blocks WRITten into their neighbours' slots", req_id)
-        return super()._xfer_blocks_for_req(req_id, meta)
+        return True
 
     def _send_kv_sums(self, meta) -> None:
         remote = meta.remote
@@ -416,7 +426,8 @@ class KvChecksums(KvSumsCheck):
         return not set(sender_ranks(offered.decode_tp, self.world_size, self.tp_rank)) <= set(offered.by_rank)
 
     # ---------------------------------------------------------------- decode: sums of the history it offers
-    def _do_send_reg_notif(self, req_id, reg_data):
+    def registering(self, req_id, reg_data) -> None:
+        """Before vLLM sends decode's registration: add the sums of the history it offers."""
         offer = reg_data.get(OFFER_KEY)
         if offer and offer.get("block_ids"):
             try:
@@ -429,18 +440,17 @@ class KvChecksums(KvSumsCheck):
                     offer.update(sums=sums.tobytes(), sum_regions=sums.shape[0], sum_parts=parts, sum_rank=self.tp_rank)
             except Exception:  # the offer stands without its sums
                 logger.exception("sums of %s's history offer not computed", req_id)
-        return super()._do_send_reg_notif(req_id, reg_data)
 
     # ---------------------------------------------------------------- prefill: keep the offer's sums
-    def _handle_push_reg_notif(self, notif: bytes) -> None:
+    def on_registration(self, notif: bytes) -> None:
+        """A registration came (prefill's writer thread): keep the sums of the history it offers."""
         try:
             registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
             offer = registration.get(OFFER_KEY) or {}
             if offer.get("sums"):
                 self._keep_offered_sums(registration, offer)
-        except Exception:  # vLLM's handler below says what is wrong with the payload
+        except Exception:  # vLLM's handler says what is wrong with the payload
             pass
-        super()._handle_push_reg_notif(notif)
 
     def _keep_offered_sums(self, registration: dict, offer: dict) -> None:
         """Each decode rank registers alone, with the sums of its own share of the offered blocks."""
@@ -457,8 +467,8 @@ class KvChecksums(KvSumsCheck):
             offered = kept[key] = _Offered(list(offer["block_ids"]), decode_tp)
         offered.by_rank[int(offer.get("sum_rank", 0))] = sums
 
-    def build_connector_worker_meta(self):
-        meta = super().build_connector_worker_meta()
+    def worker_meta(self, meta: ReuseOffers | None) -> ReuseOffers | None:
+        """The step's worker metadata (the reuse offers), with the histories that landed wrong."""
         mismatched = self._sums.take_history_mismatched()
         if not mismatched:
             return meta
@@ -467,7 +477,8 @@ class KvChecksums(KvSumsCheck):
         return meta
 
     # ---------------------------------------------------------------- decode: keep the sums (checked on landing)
-    def _get_new_notifs(self) -> set[str]:
+    def take_notifs(self) -> None:
+        """Before vLLM reads the step's notifications (decode): prefill's sums."""
         expected = self._expected()
         for notif in take(self._pending_completion_notifs, KV_SUMS_NOTIF):
             try:
@@ -477,7 +488,6 @@ class KvChecksums(KvSumsCheck):
                 continue
             received = expected.setdefault(sums.request_id, _Received(sums.producers))
             received.sums.append(np.frombuffer(sums.sums, dtype=np.int64).reshape(sums.regions, -1))
-        return super()._get_new_notifs()
 
 
 def _history_key(request_id: str) -> str:

@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from connector.feature import Feature
 from connector.kv_checksum import KvSumsCheck, injected_fault
 from connector.settings import DEFAULTS
 from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
@@ -128,20 +129,21 @@ class _Leg:
     summed: bool = False
 
 
-class PullSumsScheduler:
-    """Mixin for the pull scheduler (put before vLLM's class); both roles."""
+class PullSumsScheduler(Feature):
+    """On the pull scheduler; both roles."""
 
-    _kv_checksums: bool = DEFAULTS.kv_checksums  # handoff.kv_checksums
-    _pull_sums: dict[str, Any]
+    UPSTREAM = frozenset({"block_size"})
 
-    def init_pull_sums(self, enabled: bool = DEFAULTS.kv_checksums) -> None:
+    def __init__(self, host, enabled: bool = DEFAULTS.kv_checksums) -> None:
+        super().__init__(host)
         self._kv_checksums = enabled
         # legs: request -> _Leg, until it finishes; finished: this step's finished legs' params, awaiting
         # their sums; kept: decode legs' sums, awaiting their response; expected: sums for the workers to
         # check READs against; history_mismatched: prefill legs whose history READ landed wrong.
         self._pull_sums = {"legs": {}, "finished": {}, "kept": {}, "expected": {}, "history_mismatched": set()}
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+    def allocating(self, request) -> None:
+        """Before vLLM's update_state_after_alloc (it rewrites the params)."""
         params = request.kv_transfer_params
         if self._kv_checksums and params:
             state, prompt_tokens = self._pull_sums, len(request.prompt_token_ids or ())
@@ -154,10 +156,9 @@ class PullSumsScheduler:
                     state["expected"][request.request_id] = params[KV_SUMS_KEY]
                 if params.get(KEEP_HISTORY_KEY):
                     state["legs"][request.request_id] = _Leg(prompt_tokens, whole_blocks_only=True)
-        return super().update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output):
-        meta = super().build_connector_meta(scheduler_output)
+    def built(self, meta, scheduler_output) -> None:
+        """After vLLM's build_connector_meta: what the workers sum and check in this step."""
         state = self._pull_sums
         state["finished"].clear()  # their step's outputs are gone: sums that did not come are not sent
         if state["expected"]:
@@ -184,7 +185,6 @@ class PullSumsScheduler:
                 self._completes(req_id, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), completing)
         if completing:
             setattr(meta, SUM_BLOCKS_ATTR, completing)
-        return meta
 
     def _completes(self, req_id: str, computed_after_step: int, completing: dict[str, list[int]]) -> None:
         leg = self._pull_sums["legs"][req_id]
@@ -195,25 +195,28 @@ class PullSumsScheduler:
         if blocks:
             completing[req_id] = blocks
 
-    def request_finished(self, request, block_ids):
-        prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
-        delay, params = super().request_finished(request, block_ids)
+    @staticmethod
+    def finishing(request) -> bool:
+        """Before vLLM's request_finished (it rewrites the params): whether it is a prefill leg."""
+        return is_prefill_leg(request.kv_transfer_params)
+
+    def finished(self, request, prefill_leg: bool, delay: bool, params: Any) -> None:
+        """After vLLM's request_finished: sums (or a mismatch) into the params it returned."""
         state, req_id = self._pull_sums, request.request_id
         leg, kept = state["legs"].pop(req_id, None), state["kept"].pop(req_id, None)
         mismatched = req_id in state["history_mismatched"]
         state["history_mismatched"].discard(req_id)
         if not isinstance(params, dict):
-            return delay, params
+            return
         if prefill_leg and mismatched:
             params[REUSE_REPORT_KEY] = ReuseReport(ReuseReason.MISMATCH.value).to_wire()
         if delay and kept is not None:
             params[KV_SUMS_KEY] = kept
         elif delay and leg is not None:
             state["finished"][req_id] = params  # its sums come with this step's worker output
-        return delay, params
 
-    def update_connector_output(self, connector_output):
-        super().update_connector_output(connector_output)
+    def output(self, connector_output) -> None:
+        """After vLLM's update_connector_output: the workers' sums, into the params of legs that finished."""
         summed = connector_output.kv_connector_worker_meta
         if not isinstance(summed, PulledSums):
             return
@@ -228,17 +231,18 @@ class PullSumsScheduler:
 
 
 class PullSumsWorker(KvSumsCheck):
-    """Mixin for the pull worker (put before vLLM's class): sums what is asked, checks what it READs."""
+    """On the pull worker: sums what is asked, checks what it READs."""
 
-    _kv_peer_tp: int = DEFAULTS.kv_peer_tp_size  # the other role's TP size
-    _to_sum: dict[str, list[int]] | None = None  # this step's legs to digest (SUM_BLOCKS_ATTR), for its worker metadata
+    UPSTREAM = KvSumsCheck.UPSTREAM | {"block_size", "_physical_blocks_per_logical_kv_block",
+                                       "_logical_to_kernel_block_ids", "transfer_topo"}
 
-    def init_pull_checksums(self, enabled: bool = DEFAULTS.kv_checksums,
-                            peer_tp: int = DEFAULTS.kv_peer_tp_size) -> None:
-        KvSumsCheck.init_checksums(self, enabled)  # named: it runs before the class swap (vllm_connectors._extend)
-        self._kv_peer_tp = peer_tp
+    def __init__(self, host, enabled: bool = DEFAULTS.kv_checksums, peer_tp: int = DEFAULTS.kv_peer_tp_size) -> None:
+        super().__init__(host, enabled)
+        self._kv_peer_tp = peer_tp  # the other role's TP size
+        self._to_sum: dict[str, list[int]] | None = None  # this step's legs to digest (SUM_BLOCKS_ATTR)
 
-    def start_load_kv(self, metadata):
+    def loading(self, metadata) -> None:
+        """Before vLLM's start_load_kv: the step's legs to sum, and the sums to check its READs against."""
         self._to_sum = getattr(metadata, SUM_BLOCKS_ATTR, None)
         for req_id, payload in (getattr(metadata, EXPECTED_ATTR, None) or {}).items() if self._kv_checksums else ():
             reading = metadata.reqs_to_recv.get(req_id)
@@ -257,26 +261,25 @@ class PullSumsWorker(KvSumsCheck):
                     self._expected("history_reads")[req_id] = True
             elif why_not:
                 self._warn_once("pull", "KV checksums of pulled KV not checked (%s): %s; logged once", req_id, why_not)
-        return super().start_load_kv(metadata)
 
     def _reading_history(self, req_id: str, meta) -> bool:
         return self._expected("history_reads").pop(req_id, None) is not None
 
-    def _read_blocks_for_req(self, req_id, meta):
+    def reading(self, req_id, meta) -> None:
+        """Before vLLM posts a request's READs."""
         # Test-only fault: READ the prompt's blocks in rotated order, so each lands in its neighbour's
         # slot. Only a READ whose landing is checked: a fault must never make an unchecked wrong answer.
         ids = meta.remote.block_ids if meta.remote is not None else ()
         if injected_fault() == "shift" and req_id in self._expected() and ids and len(ids[0]) > 1:
             meta.remote.block_ids = (list(ids[0][1:]) + list(ids[0][:1]), *ids[1:])
             logger.warning("fault injection: %s's blocks READ into their neighbours' slots", req_id)
-        return super()._read_blocks_for_req(req_id, meta)
 
-    def build_connector_worker_meta(self):
-        meta = getattr(super(), "build_connector_worker_meta", lambda: None)()
+    def worker_meta(self) -> PulledSums | None:
+        """The step's worker metadata: the sums asked for, and the histories that landed wrong."""
         to_sum, self._to_sum = self._to_sum, None
         mismatched = self._sums.take_history_mismatched()
         if not to_sum and not mismatched:  # most steps: nothing to report
-            return meta
+            return None
         # As many chunks a block as the reader's TP has ranks a block of ours (1 when it is not bigger).
         parts = parts_for(self.world_size, self._kv_peer_tp)
         summed = PulledSums(layout=(self.world_size, self.block_size, self._physical_blocks_per_logical_kv_block),
@@ -290,6 +293,4 @@ class PullSumsWorker(KvSumsCheck):
                 continue
             if sums is not None:
                 summed.sums[req_id] = {self.tp_rank: sums.astype(np.int64)}
-        if not summed.sums and not summed.history_mismatched:
-            return meta
-        return summed if meta is None else meta.aggregate(summed)
+        return summed if summed.sums or summed.history_mismatched else None

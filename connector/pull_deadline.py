@@ -32,58 +32,57 @@ from __future__ import annotations
 import logging
 import time
 
+from connector.feature import Feature
 from connector.kv_checksum import injected_fault
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
 
-class ReadDeadline:
-    """Mixin for the pull worker (put before vLLM's class)."""
+class ReadDeadline(Feature):
+    """On the pull worker."""
 
-    _read_timeout_s: float | None = None
-    _reads_cancel: bool = True  # a release cancels a posted READ: UCX only
+    UPSTREAM = frozenset({"_recving_transfers", "_failed_recv_reqs", "nixl_wrapper", "transfer_topo"})
 
-    def init_read_deadline(self, timeout_s: float | None, reads_cancel: bool) -> None:
+    def __init__(self, host, timeout_s: float | None, reads_cancel: bool) -> None:
+        super().__init__(host)
+        # reads_cancel: a release cancels a posted READ (UCX only)
         self._read_timeout_s, self._reads_cancel = timeout_s, reads_cancel
         self._read_posted: dict[str, float] = {}  # request id -> when its READ was posted (monotonic)
         self._read_stalled: set[str] = set()  # fault injection: READs never posted
         self._read_uncancelled: set[str] = set()  # late READs NIXL could not cancel (logged once each)
 
-    def _read_blocks_for_req(self, req_id, meta):
+    def may_read(self, req_id) -> bool:
+        """Before vLLM posts a request's READs: start its clock; False to post none (a test fault)."""
         if not self._read_timeout_s:
-            return super()._read_blocks_for_req(req_id, meta)
+            return True
         self._read_posted[req_id] = time.monotonic()
         if injected_fault() == "stall-read":  # only where the deadline will end it
             self._read_stalled.add(req_id)
             logger.warning("fault injection: %s's READ is never posted", req_id)
-            return None
-        return super()._read_blocks_for_req(req_id, meta)
+            return False
+        return True
 
-    def _read_blocks(self, *args, **kwargs):
-        spec, req_id = kwargs.get("read_spec"), kwargs.get("request_id")
-        if self._read_timeout_s and spec is not None and injected_fault() == "drop-rank":
-            producers = self.transfer_topo.get_engine_info(kwargs["dst_engine_id"]).remote_tp_size
+    def may_read_rank(self, spec, dst_engine_id: str, req_id: str) -> bool:
+        """Before vLLM posts one producer rank's READ (``_read_blocks``); False to skip it."""
+        if self._read_timeout_s and injected_fault() == "drop-rank":
+            producers = self.transfer_topo.get_engine_info(dst_engine_id).remote_tp_size
             if producers > 1 and spec.remote_rank == producers - 1:
                 self._read_stalled.add(req_id)
                 logger.warning("fault injection: %s's share on producer rank %d is never READ", req_id, spec.remote_rank)
-                return True  # "posted": the other ranks' READs go on, and the deadline ends the request
-        return super()._read_blocks(*args, **kwargs)
+                return False  # the other ranks' READs go on, and the deadline ends the request
+        return True
 
-    def _pop_done_transfers(self, transfers):
-        done, failed = super()._pop_done_transfers(transfers)
-        if transfers is self._recving_transfers:
-            done -= self._read_stalled  # part of its KV never READ: not received (its deadline fails it)
-        return done, failed
+    def landed(self, transfers, done: set) -> set:
+        """After vLLM's _pop_done_transfers: a READ part of whose KV was never READ is not received."""
+        return done - self._read_stalled if transfers is self._recving_transfers else done
 
-    def get_transfer_results(self):
-        self._cancel_late_reads(time.monotonic())
-        results = super().get_transfer_results()
+    def reported(self, results) -> None:
+        """After vLLM's get_transfer_results: the receives it reported need no clock."""
         for req_id in results.finished_recving:
             self._read_posted.pop(req_id, None)
             self._read_uncancelled.discard(req_id)
-        return results
 
-    def _cancel_late_reads(self, now: float) -> None:
+    def cancel_late_reads(self, now: float) -> None:
         clock, stalled = self._read_posted, self._read_stalled
         for req_id, posted in list(clock.items()):
             if now - posted < self._read_timeout_s:

@@ -15,31 +15,40 @@ from the first block; a preemption) but plans only one READ per request: the sec
 request waiting for KV that never comes, for good (seen with a history READ that landed wrong).
 Here the leg recomputes the history instead.
 
-Swapped into vLLM's pull scheduler by ``connector.vllm_connectors``.
+Composed into vLLM's pull scheduler by ``connector.pull_connector``.
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from contextlib import contextmanager
 
+from connector.feature import Feature
 from connector.params import KEEP_HISTORY_KEY, READ_PLANNED_KEY, is_prefill_leg
 
 
-class HistoryPullScheduler(NixlPullConnectorScheduler):
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        params = request.kv_transfer_params
-        if is_prefill_leg(params) and params.get(READ_PLANNED_KEY):
-            return 0, False  # its history READ was tried already (see the module docstring)
-        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+class HistoryPullScheduler(Feature):
+    """On the pull scheduler."""
 
-    def request_finished(self, request, block_ids):
+    UPSTREAM = frozenset({"is_bidirectional_kv_xfer_enabled"})
+
+    @staticmethod
+    def read_tried(request) -> bool:
+        """For vLLM's get_num_new_matched_tokens: a prefill leg whose history READ was tried already (it
+        recomputes: see the module docstring)."""
+        params = request.kv_transfer_params
+        return is_prefill_leg(params) and bool(params.get(READ_PLANNED_KEY))
+
+    @contextmanager
+    def finishing(self, request):
+        """Around vLLM's request_finished: a decode leg that did not ask to keep its history finishes as
+        without bi-directional transfer (upstream decides "keep for a read-back" on this flag alone)."""
         params = request.kv_transfer_params
         keep = not params or is_prefill_leg(params) or params.get(KEEP_HISTORY_KEY)
         if keep or not self.is_bidirectional_kv_xfer_enabled:
-            return super().request_finished(request, block_ids)
-        # Upstream decides "keep for a read-back" on this flag alone (its D-node branch).
-        self.is_bidirectional_kv_xfer_enabled = False
+            yield
+            return
+        self.host.is_bidirectional_kv_xfer_enabled = False
         try:
-            return super().request_finished(request, block_ids)
+            yield
         finally:
-            self.is_bidirectional_kv_xfer_enabled = True
+            self.host.is_bidirectional_kv_xfer_enabled = True

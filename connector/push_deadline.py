@@ -23,7 +23,7 @@ there; so decode, when it aborts a request still waiting for its KV, withdraws t
 (the same notification with ``DROP_KEY``, sent after it by the same writer thread): prefill
 then treats that leg as aborted, and answers as above unless the WRITE has begun.
 
-Swapped into vLLM's push scheduler and worker by ``connector.vllm_connectors``.
+Composed into vLLM's push scheduler and worker by ``connector.push_connector``.
 """
 
 from __future__ import annotations
@@ -34,11 +34,9 @@ from typing import Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_scheduler import NixlPushConnectorScheduler
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
-
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.feature import Feature
 from connector.params import WRITE_MARGIN_S, kv_timeout_of
 from connector.side_notifs import WONT_WRITE_NOTIF, take
 
@@ -58,41 +56,56 @@ def registration_expired(registration: dict[str, Any], now: float, margin_s: flo
     return expires_at is not None and now >= float(expires_at) - margin_s
 
 
-class DeadlineScheduler(NixlPushConnectorScheduler):
+class DeadlineScheduler(Feature):
     """Decode side: stamps each registration it stages with an expiry, and withdraws the
     registration of a request aborted before its KV landed."""
 
-    _kv_timeout_s: float | None = None
-    _registered: dict[str, dict[str, Any]]  # request id -> its registration, until the request ends
+    UPSTREAM = frozenset({"_push_pending_registrations"})
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        timeout_s = kv_timeout_of(request.kv_transfer_params, self._kv_timeout_s)  # before vLLM rewrites the params
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+    def __init__(self, host, kv_timeout_s: float | None) -> None:
+        super().__init__(host)
+        self._kv_timeout_s = kv_timeout_s
+        self._registered: dict[str, dict[str, Any]] = {}  # request id -> its registration, until the request ends
+
+    def timeout_of(self, request) -> float | None:
+        """The request's KV deadline (seconds), read before vLLM rewrites its params."""
+        return kv_timeout_of(request.kv_transfer_params, self._kv_timeout_s)
+
+    def stamp(self, request, timeout_s: float | None) -> None:
+        """After vLLM staged the request's registration: stamp its expiry."""
         registration = self._push_pending_registrations.get(request.request_id)
         if registration is not None:
             if timeout_s and EXPIRES_KEY not in registration:
                 registration[EXPIRES_KEY] = time.time() + timeout_s
             self._registered[request.request_id] = registration
 
-    def request_finished(self, request, block_ids):
-        registration = self._registered.pop(request.request_id, None)
-        result = super().request_finished(request, block_ids)
-        # Nothing computed yet: its KV never landed (vLLM sets the count once it has). The worker
-        # ships it like any registration, after the one it withdraws.
+    def finishing(self, request) -> dict[str, Any] | None:
+        """Before vLLM's request_finished: the request's registration, if it had one."""
+        return self._registered.pop(request.request_id, None)
+
+    def withdraw_if_unlanded(self, request, registration: dict[str, Any] | None) -> None:
+        """After vLLM's request_finished. Nothing computed yet: its KV never landed (vLLM sets the count once it
+        has). The worker ships the withdrawal like any registration, after the one it withdraws."""
         if registration is not None and request.num_computed_tokens == 0:
             withdrawal = {key: registration[key] for key in _ADDRESSING if key in registration}
             self._push_pending_registrations[request.request_id] = {**withdrawal, DROP_KEY: True}
-        return result
 
 
-class DeadlineWorker(NixlPushConnectorWorker):
+class DeadlineWorker(Feature):
     """Decode side: fails receives past their registration's expiry. Prefill side: never
     starts a WRITE into a registration about to expire, and drops expired ones."""
 
-    _recv_expiry: dict[str, float]
-    _aborted_legs: dict[str, float]  # prefill side: base request id -> when its leg was aborted (monotonic)
+    UPSTREAM = frozenset({"_recving_metadata", "_recving_transfers", "_pending_completion_notifs",
+                          "consumer_notification_counts_by_req", "_failed_recv_reqs", "_pending_d_registrations",
+                          "_remote_agents", "nixl_wrapper"})
 
-    def start_load_kv(self, metadata):
+    def __init__(self, host) -> None:
+        super().__init__(host)
+        self._recv_expiry: dict[str, float] = {}
+        self._aborted_legs: dict[str, float] = {}  # prefill side: base request id -> when its leg was aborted (monotonic)
+
+    def loading(self, metadata) -> None:
+        """Before vLLM's start_load_kv: the step's registrations (their expiry) and aborted legs."""
         for req_id, registration in (metadata.push_registrations or {}).items():
             if EXPIRES_KEY in registration:
                 self._recv_expiry[req_id] = float(registration[EXPIRES_KEY])
@@ -103,19 +116,14 @@ class DeadlineWorker(NixlPushConnectorWorker):
             if now - at > _ABORTED_KEPT_S:
                 self._aborted_legs.pop(base_id, None)
         self._release_aborted()
-        super().start_load_kv(metadata)
 
-    def get_transfer_results(self):
-        self._fail_expired_receives(time.time())  # queued as failed: the call below reports them
-        return super().get_transfer_results()
-
-    def _get_new_notifs(self) -> set[str]:
+    def take_notifs(self) -> None:
+        """Before vLLM reads the step's notifications: prefill's won't-write notices."""
         for notif in take(self._pending_completion_notifs, WONT_WRITE_NOTIF):
             req_id = notif[len(WONT_WRITE_NOTIF):].decode(errors="replace")
             if req_id in self._recving_metadata and req_id not in self._recving_transfers:
                 logger.info("prefill aborted %s before its WRITE: its blocks go back now", req_id)
                 self._recv_expiry[req_id] = 0.0  # failed at the next step, as at its expiry
-        return super()._get_new_notifs()
 
     def _release_aborted(self) -> None:
         """Prefill side: tell decode that the registrations of aborted legs will never be written."""
@@ -133,7 +141,8 @@ class DeadlineWorker(NixlPushConnectorWorker):
                 except Exception:  # decode's expiry frees the blocks all the same
                     logger.debug("won't-write notice for %s not sent", rid, exc_info=True)
 
-    def _fail_expired_receives(self, now: float) -> None:
+    def fail_expired_receives(self, now: float) -> None:
+        """Before vLLM's get_transfer_results, which reports what is queued as failed."""
         for req_id, expires_at in list(self._recv_expiry.items()):
             if now < expires_at:
                 continue
@@ -146,27 +155,27 @@ class DeadlineWorker(NixlPushConnectorWorker):
             self.consumer_notification_counts_by_req.pop(req_id, None)
             self._failed_recv_reqs.put(req_id)
 
-    def _do_start_push_kv(self, request_id, local_block_ids, registration_data):
+    def may_write(self, request_id: str, registration_data: dict[str, Any]) -> bool:
         if registration_expired(registration_data, time.time(), WRITE_MARGIN_S):
             logger.warning("registration for %s expired before the WRITE: not pushing", request_id)
-            return  # our blocks go back when the lease ends
-        super()._do_start_push_kv(request_id, local_block_ids, registration_data)
+            return False  # our blocks go back when the lease ends
+        return True
 
-    def _handle_push_reg_notif(self, notif: bytes) -> None:
-        if _DROP_MARK in notif and (withdrawn := _withdrawn(notif)) is not None:
-            self._withdraw(withdrawn)  # never to upstream: it would WRITE into the blocks
-            return
-        super()._handle_push_reg_notif(notif)
+    def withdrawn(self, notif: bytes) -> bool:
+        """A registration notification that withdraws one (never to vLLM: it would WRITE into the blocks)."""
+        if _DROP_MARK in notif and (request_id := _withdrawn(notif)) is not None:
+            logger.info("decode withdrew its registration for %s", request_id)
+            self._aborted_legs[get_base_request_id(request_id)] = time.monotonic()
+            self._release_aborted()
+            return True
+        return False
+
+    def registered(self) -> None:
+        """After vLLM took a registration: drop expired ones; answer one that came after its leg was aborted."""
         now = time.time()
         for req_id, registration in list(self._pending_d_registrations.items()):
             if registration_expired(registration, now, WRITE_MARGIN_S):
                 del self._pending_d_registrations[req_id]
-        self._release_aborted()  # a registration that came after its leg was aborted
-
-    def _withdraw(self, request_id: str) -> None:
-        """Prefill side: decode aborted ``request_id``: its leg counts as aborted here."""
-        logger.info("decode withdrew its registration for %s", request_id)
-        self._aborted_legs[get_base_request_id(request_id)] = time.monotonic()
         self._release_aborted()
 
 

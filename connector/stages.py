@@ -31,10 +31,11 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from enum import Enum
 from typing import Any
 
+from connector.feature import Feature
 from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg, kv_timeout_of
 from connector.side_notifs import WRITE_STARTED_NOTIF, take
 
@@ -119,29 +120,36 @@ send_stamps = StampSender().send
 
 
 class StageClock:
-    """Mixin for the connector scheduler (push or pull, either role); put before vLLM's class."""
+    """On the connector scheduler (push or pull, either role): when each leg reached each stage. Reads
+    nothing of vLLM's scheduler: what it needs comes with each call."""
 
-    def init_stages(self) -> None:
+    def __init__(self, kv_timeout_s: float | None) -> None:
+        self._kv_timeout_s = kv_timeout_s  # tells a failure at the deadline from another
         # started: prefill leg -> (first allocation, prompt tokens, tokens it computes: less what it reads from
         # elsewhere, a conversation's history); requested: decode request -> when blocks were allocated for remote
         # KV; timeout: its KV deadline (seconds); blocks: decode request -> its block ids, to tell a failed load
         # (vLLM reports invalid blocks) from a landed one.
         self._stage_state: dict[str, Any] = {"started": {}, "requested": {}, "blocks": {}, "timeout": {}}
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+    @staticmethod
+    def before_alloc(request) -> tuple[Any, bool]:
+        """Before vLLM's update_state_after_alloc: the request's params and whether it is a decode leg (vLLM
+        clears the flag)."""
         kv_params = request.kv_transfer_params
-        decode_leg = is_decode_leg(kv_params)  # before vLLM clears the flag
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        return kv_params, is_decode_leg(kv_params)
+
+    def allocated(self, request, blocks, num_external_tokens, before: tuple[Any, bool]) -> None:
+        kv_params, decode_leg = before
         if is_prefill_leg(request.kv_transfer_params):
             prompt = request.num_prompt_tokens
             self._stage_state["started"].setdefault(request.request_id, (time.time(), prompt, prompt - num_external_tokens))
         elif decode_leg and num_external_tokens > 0:
             self._stage_state["requested"].setdefault(request.request_id, time.time())
-            self._stage_state["timeout"][request.request_id] = kv_timeout_of(kv_params, getattr(self, "_kv_timeout_s", None))
+            self._stage_state["timeout"][request.request_id] = kv_timeout_of(kv_params, self._kv_timeout_s)
             self._stage_state["blocks"][request.request_id] = {b for group in blocks.get_block_ids() for b in group}
 
-    def update_connector_output(self, connector_output):
-        super().update_connector_output(connector_output)
+    def output(self, connector_output) -> None:
+        """After vLLM's update_connector_output: decode's KV landed, or failed."""
         state, now = self._stage_state, time.time()
         invalid = getattr(connector_output, "invalid_block_ids", None) or set()
         for request_id in connector_output.finished_recving or ():
@@ -157,18 +165,22 @@ class StageClock:
             else:
                 send_stamps(DecodeKvStamps(request_id, requested=at, landed=now))
 
-    def request_finished(self, request, block_ids):
+    def finishing(self, request) -> PrefillStages | None:
+        """Before vLLM's request_finished (which rewrites the params): a prefill leg's stages."""
         state = self._stage_state
         started, prompt, computed = state["started"].pop(request.request_id, None) or (None, None, None)
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         state["blocks"].pop(request.request_id, None)
         state["timeout"].pop(request.request_id, None)
-        prefill_leg = is_prefill_leg(request.kv_transfer_params)  # before vLLM rewrites the params
-        delay, params = super().request_finished(request, block_ids)
-        if prefill_leg and isinstance(params, dict):
-            params[STAGES_KEY] = PrefillStages(getattr(request, "arrival_time", None), started, time.time(), prompt,
-                                              computed).to_wire()
-        return delay, params
+        if not is_prefill_leg(request.kv_transfer_params):
+            return None
+        return PrefillStages(getattr(request, "arrival_time", None), started, None, prompt, computed)
+
+    @staticmethod
+    def finished(stages: PrefillStages | None, params: Any) -> None:
+        """After vLLM's request_finished: the stages go into the params it returned (prefill's response)."""
+        if stages is not None and isinstance(params, dict):
+            params[STAGES_KEY] = replace(stages, finished=time.time()).to_wire()
 
 
 # Push: prefill worker -> decode workers, just before the WRITE: b"<prefix><time>:<decode's request id>"
@@ -187,11 +199,14 @@ def parse_write_started(notif: bytes) -> DecodeKvStamps | None:
         return None
 
 
-class WriteClock:
-    """Mixin for the push worker (put before vLLM's class): prefill says when a WRITE starts,
-    decode hands it to its replica and keeps the notification from vLLM's accounting."""
+class WriteClock(Feature):
+    """On the push worker: prefill says when a WRITE starts, decode hands it to its replica and keeps
+    the notification from vLLM's accounting."""
 
-    def _xfer_blocks_for_req(self, req_id, meta):
+    UPSTREAM = frozenset({"_remote_agents", "nixl_wrapper", "_pending_completion_notifs"})
+
+    def writing(self, req_id, meta) -> None:
+        """Just before vLLM's WRITE (``_xfer_blocks_for_req``)."""
         remote = meta.remote
         notif = write_started_notif(remote.request_id, time.time())
         for agent_name in (self._remote_agents.get(remote.engine_id) or {}).values():
@@ -199,13 +214,12 @@ class WriteClock:
                 self.nixl_wrapper.send_notif(agent_name, notif_msg=notif)
             except Exception:  # a stamp is never worth a transfer
                 logger.debug("write-start stamp for %s not sent", req_id, exc_info=True)
-        return super()._xfer_blocks_for_req(req_id, meta)
 
-    def _get_new_notifs(self) -> set[str]:
+    def take_notifs(self) -> None:
+        """Before vLLM reads the step's notifications (decode): prefill's write-start stamps."""
         for notif in take(self._pending_completion_notifs, WRITE_STARTED_NOTIF):
             if (stamps := parse_write_started(notif)) is not None:
                 send_stamps(stamps)
-        return super()._get_new_notifs()
 
 
 @dataclass(frozen=True)

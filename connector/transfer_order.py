@@ -1,7 +1,7 @@
 """KV transfers start before the step's forward pass where the forward blocks (vLLM-side;
 imports neither Ray nor ``app``).
 
-vLLM 0.29 starts a step's asynchronous KV transfers *after* the forward launch
+vLLM (0.29 to 0.32) starts a step's asynchronous KV transfers *after* the forward launch
 (``KVConnectorModelRunnerMixin._get_kv_connector_output``: "keeping their host-side
 submission cost off the critical path"). On a GPU the launch returns at once, so that is
 the start of the step. On CPU the forward is synchronous: the transfers wait for the whole
@@ -39,14 +39,14 @@ def starts_transfers(meta: Any) -> bool:
 
 
 class TransfersFirst:
-    """Scheduler mixin: mark steps that start transfers so the worker starts them first."""
+    """On the connector scheduler: mark steps that start transfers so the worker starts them first."""
 
-    _transfers_first: bool | None = None
+    def __init__(self) -> None:
+        self._transfers_first: bool | None = None  # looked up at the first step (the platform is set by then)
 
-    def build_connector_meta(self, scheduler_output):
-        meta = super().build_connector_meta(scheduler_output)
+    def built(self, meta, scheduler_output) -> None:
+        """After vLLM's build_connector_meta."""
         if self._transfers_first is None:
             self._transfers_first = forward_blocks()
         if self._transfers_first and starts_transfers(meta):
             scheduler_output.has_sync_kv_loads = True
-        return meta

@@ -1,6 +1,6 @@
 """vLLM-side KV connectors, loaded by vLLM through ``kv_connector_module_path``.
 
-Thin subclasses of vLLM 0.29's NIXL push/pull connectors. Must not import Ray or ``app``
+Thin subclasses of vLLM's NIXL push/pull connectors. Must not import Ray or ``app``
 (they run inside vLLM's EngineCore and worker processes).
 
 What they change: on CPU, vLLM's NIXL worker pins the engine's main thread to the last
@@ -20,14 +20,9 @@ those processes, so it asks the kernel to send SIGTERM when the parent goes away
 And they keep NIXL's UCX progress thread from busy-polling a core per engine
 (``connector.nixl_progress``; UCX-only agents).
 
-Push only, in their own modules: a deadline on pushed KV (``connector.push_deadline``),
-reuse of a conversation's history held by decode (``connector.push_reuse``), and engines
-that sleep instead of stepping while they only wait for KV (``connector.idle_wait``), and
-checksums of pushed KV, checked on landing (``connector.kv_checksum``). Pull only:
-vLLM's own history read-back, kept to the turns that ask (``connector.pull_history``), and
-checksums of pulled KV, carried with the request (``connector.pull_checksum``), and a deadline
-on each READ (``connector.pull_deadline``). Both:
-transfers that start before the forward pass where it blocks (``connector.transfer_order``).
+Our features (deadlines, history reuse, the idle wait, checksums, the stage clock, transfer
+order) are composed into vLLM's own connector scheduler and worker: ``connector.push_connector``
+and ``connector.pull_connector`` override each vLLM hook once and call them in order.
 """
 
 from __future__ import annotations
@@ -46,16 +41,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
-from connector.idle_wait import IdleScheduler, IdleWorker
-from connector.push_reuse import ReuseScheduler, ReuseWorker
-from connector.kv_checksum import KvChecksums
-from connector.nixl_progress import calm_progress_threads, reads_cancel
-from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
-from connector.pull_deadline import ReadDeadline
-from connector.pull_history import HistoryPullScheduler
-from connector.stages import StageClock, WriteClock
+from connector.nixl_progress import calm_progress_threads
+from connector.pull_connector import PullScheduler, PullWorker
+from connector.push_connector import PushScheduler, PushWorker
 from connector.settings import ConnectorSettings, backends
-from connector.transfer_order import TransfersFirst
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
@@ -93,42 +82,13 @@ def _worker_meta(connector):
 
 
 def _extend(obj, cls, settings: ConnectorSettings, vllm_config) -> None:
-    """Give vLLM's own connector scheduler or worker our features: their state first (``cls.init_features``, on
-    ``obj`` as it is), then ``obj`` becomes a ``cls``. Swapped in rather than constructed: vLLM builds both in its
-    connector's ``__init__``, and building a second NIXL worker would open a second agent. State before class: the
-    push worker's writer thread is running already and reaches an overridden hook as soon as the class changes."""
+    """Give vLLM's own connector scheduler or worker our features: they are built first (``cls.init_features``,
+    on ``obj`` as it is), then ``obj`` becomes a ``cls`` (a subclass of its class that overrides each hook once).
+    Swapped in rather than constructed: vLLM builds both in its connector's ``__init__``, and building a second
+    NIXL worker would open a second agent. Features before class: the push worker's writer thread is running
+    already and reaches an overridden hook as soon as the class changes."""
     cls.init_features(obj, settings, vllm_config)
     obj.__class__ = cls
-
-
-class PushScheduler(TransfersFirst, StageClock, IdleScheduler):
-    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
-        self._kv_timeout_s, self._registered = settings.kv_timeout_s, {}
-        StageClock.init_stages(self)
-        ReuseScheduler.init_reuse(self)
-        IdleScheduler.init_idle(self, vllm_config)
-
-
-class PullScheduler(PullSumsScheduler, TransfersFirst, StageClock, HistoryPullScheduler):
-    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
-        self._kv_timeout_s = settings.kv_timeout_s  # tells a failure at the deadline (connector.stages)
-        StageClock.init_stages(self)
-        PullSumsScheduler.init_pull_sums(self, settings.kv_checksums)
-
-
-class PullWorker(PullSumsWorker, ReadDeadline, NixlPullConnectorWorker):
-    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
-        PullSumsWorker.init_pull_checksums(self, settings.kv_checksums, settings.kv_peer_tp_size)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
-        ReadDeadline.init_read_deadline(self, settings.kv_timeout_s, reads_cancel(backends(extra)))
-
-
-class PushWorker(KvChecksums, WriteClock, IdleWorker):
-    def init_features(self, settings: ConnectorSettings, vllm_config) -> None:
-        KvChecksums.init_checksums(self, settings.kv_checksums)
-        self._recv_expiry, self._aborted_legs = {}, {}
-        ReuseWorker.init_reuse(self)
-        IdleWorker.init_idle(self)
 
 
 class RendezvousPushConnector(NixlPushConnector):

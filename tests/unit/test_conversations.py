@@ -126,11 +126,13 @@ def test_reuse_is_whole_blocks_and_never_the_last_prompt_token(offered, prompt, 
 def _prefill_scheduler(threshold: int = 64, single_group: bool = True):
     from connector.push_reuse import ReuseScheduler
 
-    scheduler = ReuseScheduler.__new__(ReuseScheduler)
-    scheduler.block_size, scheduler.kv_recompute_threshold = 128, threshold
-    scheduler._offers, scheduler._waiting_since, scheduler._reports = {}, {}, {}
-    scheduler._single_group, scheduler._kv_bytes_per_token = single_group, 10
-    return scheduler
+    model = types.SimpleNamespace(dtype=types.SimpleNamespace(itemsize=1), get_total_num_hidden_layers=lambda: 5,
+                                  get_total_num_kv_heads=lambda: 1, get_head_size=lambda: 1)  # 10 bytes a token
+    host = types.SimpleNamespace(  # what ReuseScheduler reads of vLLM's push scheduler
+        block_size=128, kv_recompute_threshold=threshold,
+        kv_cache_config=types.SimpleNamespace(kv_cache_groups=[None] * (1 if single_group else 2)),
+        vllm_config=types.SimpleNamespace(model_config=model, cache_config=types.SimpleNamespace(cache_dtype="auto")))
+    return ReuseScheduler(host)
 
 
 def _request(prompt_tokens: int = 700):
@@ -149,12 +151,12 @@ def test_prefill_waits_for_the_offer_then_loads_the_verified_prefix():
     from connector.push_reuse import HISTORY_READ_ID
 
     scheduler, request = _prefill_scheduler(), _request()
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # asked again next step
+    assert scheduler.matched_tokens(request, 0) == (None, False)  # asked again next step
     scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(512))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
+    assert scheduler.matched_tokens(request, 0) == (512, True)
     params = request.kv_transfer_params
     assert params["remote_block_ids"] == [[0, 1, 2, 3]] and params["remote_request_id"] == HISTORY_READ_ID
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)  # asked again after a failed allocation
+    assert scheduler.matched_tokens(request, 0) == (512, True)  # asked again after a failed allocation
     assert scheduler._reports["cmpl-rdv-1"] == ReuseReport("reused", reused_tokens=512, pushed_tokens=256, kv_bytes_per_token=10)
 
 
@@ -165,7 +167,7 @@ def test_prefill_waits_for_the_offer_then_loads_the_verified_prefix():
 def test_prefill_recomputes_when_reuse_is_not_worth_it(offered, computed, reason):
     scheduler, request = _prefill_scheduler(), _request()
     scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(offered))
-    assert scheduler.get_num_new_matched_tokens(request, computed) == (0, False)
+    assert scheduler.matched_tokens(request, computed) == (0, False)
     assert scheduler._reports["cmpl-rdv-1"].reason == reason
 
 
@@ -175,9 +177,9 @@ def test_prefill_stops_waiting_for_an_offer_that_does_not_come(monkeypatch):
     scheduler, request = _prefill_scheduler(), _request()
     now = [0.0]
     monkeypatch.setattr(push_reuse.time, "monotonic", lambda: now[0])
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert scheduler.matched_tokens(request, 0) == (None, False)
     now[0] = push_reuse.REUSE_OFFER_WAIT_S + 1
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.matched_tokens(request, 0) == (0, False)
     assert scheduler._reports["cmpl-rdv-1"].reason == "no_offer"
 
 
@@ -194,8 +196,8 @@ def test_a_history_read_that_landed_wrong_is_reported_as_such():
 
     scheduler, request = _prefill_scheduler(), _request()
     scheduler._offers["cmpl-rdv-1"] = (0.0, _offer(512))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, True)
-    scheduler.update_connector_output(types.SimpleNamespace(kv_connector_worker_meta=ReuseOffers(mismatched={"cmpl-rdv-1", "gone"}),
+    assert scheduler.matched_tokens(request, 0) == (512, True)
+    scheduler.output(types.SimpleNamespace(kv_connector_worker_meta=ReuseOffers(mismatched={"cmpl-rdv-1", "gone"}),
                                                       finished_recving=set(), finished_sending=set()))
     assert scheduler._reports["cmpl-rdv-1"] == ReuseReport("kv_mismatch", reused_tokens=0, pushed_tokens=256,
                                                            kv_bytes_per_token=10)
@@ -250,24 +252,22 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
 def test_decode_keeps_blocks_only_for_the_turns_that_ask(monkeypatch):
     """With bidirectional_kv_xfer vLLM keeps every finished decode request's blocks; ours
     only those of the turns the orchestrator marks (prefill's side is upstream's)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
-
     from connector.params import KEEP_HISTORY_KEY
     from connector.pull_history import HistoryPullScheduler
 
-    # Upstream's request_finished, reduced to what it decides on: keep for a read-back or not.
-    monkeypatch.setattr(NixlPullConnectorScheduler, "request_finished", lambda self, request, block_ids: self.is_bidirectional_kv_xfer_enabled)
-    scheduler = HistoryPullScheduler.__new__(HistoryPullScheduler)
-    scheduler.is_bidirectional_kv_xfer_enabled = True
+    host = types.SimpleNamespace(is_bidirectional_kv_xfer_enabled=True)  # vLLM's pull scheduler, as far as it matters
+    scheduler = HistoryPullScheduler(host)
 
     def keeps(params) -> bool:
-        return scheduler.request_finished(types.SimpleNamespace(kv_transfer_params=params), [[1, 2]])
+        """What upstream's request_finished decides on, inside ours: keep for a read-back or not."""
+        with scheduler.finishing(types.SimpleNamespace(kv_transfer_params=params)):
+            return host.is_bidirectional_kv_xfer_enabled
 
     assert not keeps({"do_remote_prefill": True})  # a one-off request, or a streamed turn
     assert keeps({"do_remote_prefill": True, KEEP_HISTORY_KEY: True})
     assert keeps({"do_remote_decode": True})  # prefill: as upstream
-    assert scheduler.is_bidirectional_kv_xfer_enabled
-    scheduler.is_bidirectional_kv_xfer_enabled = False
+    assert host.is_bidirectional_kv_xfer_enabled
+    host.is_bidirectional_kv_xfer_enabled = False
     assert not keeps({"do_remote_prefill": True, KEEP_HISTORY_KEY: True})
 
 
@@ -354,11 +354,9 @@ def test_a_prefill_leg_whose_history_read_failed_recomputes_instead_of_waiting_f
     from connector.params import READ_PLANNED_KEY
     from connector.pull_history import HistoryPullScheduler
 
-    scheduler = HistoryPullScheduler.__new__(HistoryPullScheduler)
-    scheduler.kv_recompute_threshold = 64
+    scheduler = HistoryPullScheduler(types.SimpleNamespace(is_bidirectional_kv_xfer_enabled=True))
     params = {**OFFER, "remote_engine_id": "d", "remote_request_id": "r", "remote_host": "h", "remote_port": 1}
-    request = types.SimpleNamespace(request_id="p", kv_transfer_params=params, prompt_token_ids=HISTORY + [1, 2],
-                                    num_prompt_tokens=len(HISTORY) + 2)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (202, True)  # upstream's answer, before its READ
+    request = types.SimpleNamespace(request_id="p", kv_transfer_params=params)
+    assert not scheduler.read_tried(request)  # upstream plans the READ (connector.pull_connector asks it)
     params[READ_PLANNED_KEY] = True  # what upstream's update_state_after_alloc sets once it planned the READ
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert scheduler.read_tried(request)  # asked again: 0 tokens, the leg recomputes its history

@@ -11,6 +11,7 @@ import asyncio
 import types
 import inspect
 import os
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,10 +220,6 @@ def test_vllm_descriptor_layout_and_receive_failure_the_kv_checksums_rely_on():
     # D->P: the registration decode sends carries the offer our scheduler added (connector.push_reuse).
     assert "notif_msg = PUSH_REG_NOTIF_PREFIX + msgspec.msgpack.encode(reg_data)" in inspect.getsource(
         push_worker.NixlPushConnectorWorker._do_send_reg_notif)
-    for method in ("_xfer_blocks_for_req", "_get_new_notifs", "_pop_done_transfers", "_do_send_reg_notif",
-                   "_handle_push_reg_notif"):
-        assert list(inspect.signature(getattr(KvChecksums, method)).parameters) == list(
-            inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
 
 
 def test_build_llm_deployment_signature():
@@ -647,32 +644,6 @@ def test_vllm_push_internals_our_overrides_use():
     )
     from vllm.v1.core.sched import scheduler
 
-    from connector.push_deadline import DeadlineScheduler, DeadlineWorker
-    from connector.push_reuse import ReuseScheduler, ReuseWorker
-
-    overrides = [
-        (DeadlineScheduler, "update_state_after_alloc"),
-        (DeadlineScheduler, "request_finished"),
-        (DeadlineWorker, "start_load_kv"),
-        (DeadlineWorker, "get_transfer_results"),
-        (DeadlineWorker, "_do_start_push_kv"),
-        (DeadlineWorker, "_handle_push_reg_notif"),
-        (ReuseScheduler, "get_num_new_matched_tokens"),
-        (ReuseScheduler, "update_state_after_alloc"),
-        (ReuseScheduler, "update_connector_output"),
-        (ReuseScheduler, "request_finished"),
-        (ReuseWorker, "_handle_push_reg_notif"),
-        (ReuseWorker, "start_load_kv"),
-        (ReuseWorker, "_get_new_notifs"),
-    ]
-    for ours_cls, method in overrides:
-        upstream = getattr(ours_cls.__bases__[0], method)
-        assert list(inspect.signature(getattr(ours_cls, method)).parameters) == list(inspect.signature(upstream).parameters)
-    from connector.stages import WriteClock
-
-    for method in ("_xfer_blocks_for_req", "_get_new_notifs"):  # WriteClock is a mixin: compare with vLLM's worker
-        assert list(inspect.signature(getattr(WriteClock, method)).parameters) == list(
-            inspect.signature(getattr(push_worker.NixlPushConnectorWorker, method)).parameters), method
     # The WRITE's start: sent from the one method that issues push WRITEs, to the agents vLLM notifies.
     assert "self._xfer_blocks_for_req(req_id=request_id, meta=push_meta)" in inspect.getsource(
         push_worker.NixlPushConnectorWorker._do_start_push_kv)
@@ -724,17 +695,19 @@ def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
     from vllm.v1.executor import multiproc_executor
     from vllm.v1.request import Request
 
-    from connector.idle_wait import IdleScheduler, IdleWorker
-    from connector.stages import StageClock
-
-    # The input queue exists before the engine core builds its scheduler (and our connector).
+    # The input queue exists before the engine core builds its scheduler (and our connector); the thread that
+    # feeds it, whose target is how connector.idle_wait.engine_core finds the core, starts after.
     init = inspect.getsource(core.EngineCoreProc.__init__)
     assert 0 <= init.index("self.input_queue = queue.Queue") < init.index("super().__init__("), "input_queue moved"
+    assert init.index("super().__init__(") < init.index("target=self.process_input_sockets,") < init.index(
+        "input_thread.start()")
+    assert "self._target = target" in inspect.getsource(threading.Thread.__init__)
     assert "self.input_queue.put_nowait(" in inspect.getsource(core.EngineCoreProc)  # every input: hooked via put
     assert "self.put(item, block=False)" in inspect.getsource(queue.Queue.put_nowait)
     assert issubclass(core.DPEngineCoreProc, core.EngineCoreProc)  # data parallel: never waits
     assert "KVConnectorFactory.create_connector(" in inspect.getsource(scheduler.Scheduler.__init__)
-    assert "self.requests: dict[str, Request] = {}" in inspect.getsource(scheduler.Scheduler.__init__)
+    # Every request the scheduler holds is announced to the connector (our idle wait keeps its own list).
+    assert "self.connector.on_new_request(request)" in inspect.getsource(scheduler.Scheduler.add_request)
     assert "total_num_scheduled_tokens" in inspect.getsource(scheduler.Scheduler.schedule)
     assert "self.arrival_time" in inspect.getsource(Request.__init__)  # prefill's "queued" stamp
     # The worker's RPC reader spins for busy_loop_s after each message, then waits on a socket.
@@ -746,18 +719,6 @@ def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
     assert "self._push_writer_wake.wait()" in loop and "self._pending_completion_notifs.put(notif)" in loop
     for name in ("_push_registration_deadlines", "_finished_request_blocks"):
         assert f"self.{name}" in inspect.getsource(push_scheduler.NixlPushConnectorScheduler), name
-    overrides = [
-        (IdleScheduler, push_scheduler.NixlPushConnectorScheduler, "build_connector_meta"),
-        (IdleWorker, push_worker.NixlPushConnectorWorker, "start_load_kv"),
-        (IdleWorker, push_worker.NixlPushConnectorWorker, "_handle_push_reg_notif"),
-        (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_state_after_alloc"),
-        (StageClock, push_scheduler.NixlPushConnectorScheduler, "request_finished"),
-        (StageClock, push_scheduler.NixlPushConnectorScheduler, "update_connector_output"),  # decode's "KV landed"
-    ]
-    for ours, upstream, method in overrides:
-        assert list(inspect.signature(getattr(ours, method)).parameters) == list(
-            inspect.signature(getattr(upstream, method)).parameters
-        ), f"{upstream.__name__}.{method} changed"
 
 
 def test_vllm_pull_read_back_internals_we_rely_on():
@@ -783,8 +744,6 @@ def test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import pull_scheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
-
     step = inspect.getsource(Scheduler.update_from_output)
     finished = step.index("kv_transfer_params, ec_transfer_params = self._free_request(request)")
     assert finished < step.index("kv_transfer_params=kv_transfer_params,")  # the same dict, in the output
@@ -793,14 +752,6 @@ def test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride
         Scheduler._update_from_kv_xfer_finished)
     # The pull scheduler's prefill params are a fresh dict it returns (ours is that object).
     assert "return delay_free_blocks, dict(" in inspect.getsource(pull_scheduler.NixlPullConnectorScheduler.request_finished)
-    for mixin, upstream in ((PullSumsScheduler, pull_scheduler.NixlPullConnectorScheduler),):
-        for method in ("update_state_after_alloc", "build_connector_meta", "request_finished", "update_connector_output"):
-            assert list(inspect.signature(getattr(mixin, method)).parameters) == list(
-                inspect.signature(getattr(upstream, method)).parameters), method
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
-
-    assert list(inspect.signature(PullSumsWorker.start_load_kv).parameters) == list(
-        inspect.signature(NixlPullConnectorWorker.start_load_kv).parameters)
 
 
 def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
@@ -981,18 +932,34 @@ def test_the_seams_list_is_well_formed():
     assert not problems, "connector/seams.py:\n" + "\n".join(problems)
 
 
+def test_our_composed_classes_override_vllm_hooks_with_vllms_signatures():
+    """connector.push_connector / pull_connector override each hook once: with the parameters vLLM passes."""
+    from connector.pull_connector import PullScheduler, PullWorker
+    from connector.push_connector import PushScheduler, PushWorker
+
+    checked = 0
+    for ours in (PushScheduler, PushWorker, PullScheduler, PullWorker):
+        upstream = ours.__bases__[0]
+        for name, fn in vars(ours).items():
+            if inspect.isfunction(fn) and fn.__qualname__.startswith(ours.__name__ + ".") and hasattr(upstream, name):
+                checked += 1
+                assert list(inspect.signature(fn).parameters) == list(
+                    inspect.signature(getattr(upstream, name)).parameters), f"{upstream.__name__}.{name} changed"
+    assert checked >= 20, f"only {checked} overrides found: the scan is out of date"
+
+
 def test_the_borrowed_pull_read_finds_everything_it_reads_on_the_push_worker():
-    """push_reuse.ReuseWorker borrows vLLM's pull READ as plain functions: whatever they read
+    """push_connector.PushWorker borrows vLLM's pull READ as plain functions: whatever they read
     on ``self`` must exist on a push worker too (set by the base worker, or a method)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
-    from connector.push_reuse import ReuseWorker
+    from connector.push_connector import PushWorker as ReuseWorker
 
     borrowed = {
         name: fn for name, fn in vars(ReuseWorker).items()
         if inspect.isfunction(fn) and fn.__qualname__.startswith(f"{NixlPullConnectorWorker.__name__}.")
     }
-    assert borrowed, "ReuseWorker borrows nothing from the pull worker any more: update connector/seams.py"
+    assert borrowed, "PushWorker borrows nothing from the pull worker any more: update connector/seams.py"
     upstream = [k for k in ReuseWorker.__mro__ if k.__module__.startswith("vllm.")]
     assert NixlPullConnectorWorker not in upstream
     assigned = set().union(*(assigned_on_self(_class_source(k)) for k in upstream))
@@ -1005,7 +972,7 @@ def test_the_borrowed_pull_read_finds_everything_it_reads_on_the_push_worker():
         missing = sorted(r for r in reads if not hasattr(ReuseWorker, r) and r not in assigned)
         assert not missing, (
             f"vllm {seams.PINNED['vllm']} seam changed: NixlPullConnectorWorker.{name}, borrowed by "
-            f"connector/push_reuse.py, now reads {missing}, which a push worker does not have (set only by the pull "
+            f"connector/push_connector.py, now reads {missing}, which a push worker does not have (set only by the pull "
             "worker?): the history READ would fail at runtime. Re-read connector/push_reuse.py before upgrading."
         )
 
