@@ -181,48 +181,147 @@ def test_the_writer_polls_only_while_the_engine_is_idle():
     assert worker.idle_now is False
 
 
-def test_the_first_idle_step_after_a_busy_one_reaches_the_worker_before_the_engine_sleeps(monkeypatch):
-    """IdleScheduler: an idle step right after a busy one never waits (the worker must see
-    it to start polling); the next idle step may. vLLM's own metadata building below ours
-    is replaced by an empty metadata (this test is about what ours adds)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+def _idle_scheduler(monkeypatch):
+    """The composed push scheduler (connector.push_connector: vLLM's own, with our features), its engine core's
+    wake channel stood in for (armed: a worker of ours has reached it): (scheduler, waits, lookups)."""
+    from tests.unit.test_push_deadline import push_scheduler
+
+    waits, lookups = [], []
+
+    def for_this_engine(vllm_config, engine_id):
+        lookups.append(engine_id)
+        return SimpleNamespace(armed=True, wait=waits.append)
+
+    monkeypatch.setattr(EngineWake, "for_this_engine", for_this_engine)
+    return push_scheduler(engine_id="decode-engine"), waits, lookups
+
+
+def _step(scheduler, tokens):
+    """One step's build_connector_meta (vLLM's, then ours); whether it was marked idle for the worker."""
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from connector.idle_wait import IDLE_ATTR, IdleScheduler
+    from connector.idle_wait import IDLE_ATTR
 
-    below = next(c for c in IdleScheduler.__mro__[1:] if "build_connector_meta" in c.__dict__)
-    monkeypatch.setattr(below, "build_connector_meta", lambda self, output: NixlConnectorMetadata())
-    waits = []
-    scheduler = IdleScheduler.__new__(IdleScheduler)  # vLLM builds it; only what build_connector_meta reads
-    scheduler._wake = SimpleNamespace(armed=True, wait=waits.append)
-    scheduler._scheduler = SimpleNamespace(requests={"d1": SimpleNamespace(status=R)})
-    scheduler._push_registration_deadlines = {"d1": 1.0}
-    scheduler._finished_request_blocks = {}
+    output = SchedulerOutput.make_empty()
+    output.total_num_scheduled_tokens = tokens
+    return getattr(scheduler.build_connector_meta(output), IDLE_ATTR)
 
-    def step(tokens):
-        output = SchedulerOutput.make_empty()
-        output.total_num_scheduled_tokens = tokens
-        return getattr(scheduler.build_connector_meta(output), IDLE_ATTR)
 
-    assert step(5) is False and waits == []
-    assert step(0) is True and waits == []  # first idle step: straight to the worker
-    assert step(0) is True and waits == [WAIT_CAP_S]  # then the engine sleeps
-    assert step(3) is False and step(0) is True and waits == [WAIT_CAP_S]
+def _request(rid, status):
+    return SimpleNamespace(request_id=rid, status=status, kv_transfer_params=None, num_computed_tokens=0)
+
+
+def test_the_first_idle_step_after_a_busy_one_reaches_the_worker_before_the_engine_sleeps(monkeypatch):
+    """IdleScheduler: an idle step right after a busy one never waits (the worker must see
+    it to start polling); the next idle step may. The engine core's wake channel is looked up
+    once, at the first step (its input thread starts after the scheduler is built)."""
+    scheduler, waits, lookups = _idle_scheduler(monkeypatch)
+    assert lookups == []  # not at construction
+    scheduler.on_new_request(_request("d1", R))
+    scheduler._push_registration_deadlines["d1"] = time.perf_counter() + 3600  # its registration awaits a push
+
+    assert _step(scheduler, 5) is False and waits == []
+    assert lookups == ["decode-engine"]
+    assert _step(scheduler, 0) is True and waits == []  # first idle step: straight to the worker
+    assert _step(scheduler, 0) is True and waits == [WAIT_CAP_S]  # then the engine sleeps
+    assert _step(scheduler, 3) is False and _step(scheduler, 0) is True and waits == [WAIT_CAP_S]
+    assert lookups == ["decode-engine"]  # once
+
+
+def test_the_idle_decision_sees_the_requests_vllm_told_the_connector_of(monkeypatch):
+    """IdleScheduler holds what vLLM's scheduler holds as vLLM tells the connector: from on_new_request to
+    request_finished (vLLM's Scheduler.add_request and _free_request call them for every request)."""
+    scheduler, waits, _ = _idle_scheduler(monkeypatch)
+    scheduler.on_new_request(_request("d1", R))
+    scheduler._push_registration_deadlines["d1"] = time.perf_counter() + 3600
+    assert _step(scheduler, 0) is True and waits == []  # the first idle step
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S]  # d1 waits for pushed KV: the engine sleeps
+    running = _request("d2", S.RUNNING)
+    scheduler.on_new_request(running)
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S]  # d2 can run: no sleep
+    scheduler.request_finished(running, [])
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S, WAIT_CAP_S]  # d2 gone: only waiting is left
+    scheduler._push_registration_deadlines.pop("d1")
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S, WAIT_CAP_S, POLL_CAP_S]  # d1 awaits KV that is not pushed (a READ): short sleeps
+    scheduler.request_finished(_request("d1", S.FINISHED_ABORTED), [])
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S, WAIT_CAP_S, POLL_CAP_S]  # nothing awaited: vLLM's loop blocks on its input
+
+
+class _EngineCore:
+    """Base for stand-ins of vLLM's engine core process: only what the wake channel reaches, its input queue and
+    the thread that feeds it (vLLM's runs ``process_input_sockets``; this one waits until stopped)."""
+
+    def __init__(self):
+        self.input_queue = queue.Queue()
+        self._stop = threading.Event()
+
+    def process_input_sockets(self, *args):
+        self._stop.wait()
+
+
+@pytest.fixture
+def engine_core():
+    """A running engine core of vLLM's class (EngineCoreProc), or of another class: (make, cores)."""
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+
+    kinds = {"core": type("Core", (_EngineCore, EngineCoreProc), {}),
+             "dp_core": type("DPCore", (_EngineCore, DPEngineCoreProc), {}), "other": _EngineCore}
+    started = []
+
+    def make(kind):
+        core = kinds[kind]()
+        thread = threading.Thread(target=core.process_input_sockets, args=(None, None, b"", threading.Event()),
+                                  daemon=True)
+        thread.start()
+        started.append((core, thread))
+        return core
+
+    yield make
+    for core, thread in started:
+        core._stop.set()
+        thread.join()
+
+
+def test_the_engine_core_is_the_owner_of_the_thread_feeding_its_input_queue(engine_core):
+    """vLLM hands the connector no reference to its engine core: idle_wait.engine_core() finds it as the owner
+    of the thread running its input loop, as vLLM's EngineCoreProc starts it; None where there is none."""
+    import inspect
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from connector.idle_wait import engine_core as find
+
+    assert "target=self.process_input_sockets," in inspect.getsource(EngineCoreProc.__init__)
+    assert find() is None  # this process has no engine core
+    engine_core("other")  # a thread whose target's owner is not vLLM's engine core
+    assert find() is None
+    core = engine_core("core")
+    assert find() is core
 
 
 @pytest.mark.parametrize("max_concurrent_batches, sleeps", [(1, True), (2, False), (3, False)])
-def test_no_idle_wait_where_the_engine_runs_a_batch_queue(max_concurrent_batches, sleeps):
+def test_no_idle_wait_where_the_engine_runs_a_batch_queue(engine_core, max_concurrent_batches, sleeps):
     """A GPU engine schedules with async scheduling (a batch queue of 2) by default: the next step is scheduled before
     the last one's output, landed KV included, is read, so a sleep there would only delay the KV. The engine core
-    is vLLM's, found up the stack as in its constructor; the config is the GPU's setting."""
-    from vllm.v1.engine.core import EngineCoreProc
-
-    core = EngineCoreProc.__new__(EngineCoreProc)  # only what the wake channel hooks: its input queue
-    core.input_queue = queue.Queue()
+    is vLLM's, found as the owner of its input thread; the config is the GPU's setting."""
+    core = engine_core("core")
     config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
                              max_concurrent_batches=max_concurrent_batches)
+    wake = EngineWake.for_this_engine(config, f"test-{uuid.uuid4().hex}")
+    assert (wake is not None) is sleeps
+    if wake is not None:  # hooked into that engine core's input queue
+        core.input_queue.put_nowait("input")
+        assert wake.wait(5) is True
 
-    def scheduler_built_by(self):  # noqa: ARG001 - `self` is what stack_self finds, as in vLLM's EngineCore
-        return EngineWake.for_this_engine(config, f"test-{uuid.uuid4().hex}")
 
-    assert (scheduler_built_by(core) is not None) is sleeps
+def test_no_idle_wait_with_data_parallel(engine_core):
+    """Data parallel ranks step together: an engine core of vLLM's DPEngineCoreProc never sleeps."""
+    engine_core("dp_core")
+    config = SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, data_parallel_rank=0),
+                             max_concurrent_batches=1)
+    assert EngineWake.for_this_engine(config, f"test-{uuid.uuid4().hex}") is None

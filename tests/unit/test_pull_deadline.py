@@ -5,6 +5,7 @@ vLLM and NIXL calls are the seams'; test_pull runs the whole with a READ that is
 from __future__ import annotations
 
 import queue
+import time
 from collections import defaultdict
 from types import SimpleNamespace
 
@@ -52,10 +53,24 @@ class VllmPullWorker:
         self._landed.add(req_id)
 
 
-class Worker(ReadDeadline, VllmPullWorker):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.init_read_deadline(TIMEOUT_S, reads_cancel=True)
+class Worker(VllmPullWorker):
+    """The fake above as the host, with the deadline composed in as connector.pull_connector.PullWorker composes
+    it: each hook calls the feature where PullWorker does, around vLLM's (the host's) own."""
+
+    def __init__(self, nixl: Nixl, timeout_s: float | None = TIMEOUT_S, reads_cancel: bool = True):
+        super().__init__(nixl)
+        self._deadline = ReadDeadline(self, timeout_s, reads_cancel)
+
+    def _read_blocks_for_req(self, req_id, meta):
+        if not self._deadline.may_read(req_id):
+            return None
+        return super()._read_blocks_for_req(req_id, meta)
+
+    def get_transfer_results(self):
+        self._deadline.cancel_late_reads(time.monotonic())
+        results = super().get_transfer_results()
+        self._deadline.reported(results)
+        return results
 
 
 @pytest.fixture
@@ -98,8 +113,7 @@ def test_a_late_read_on_a_backend_that_cannot_cancel_it_keeps_its_blocks_until_n
     never see: they check completed READs)."""
     from connector.nixl_progress import reads_cancel
 
-    worker = Worker(Nixl([True, True]))  # NIXL would say yes: it must not be asked
-    worker._reads_cancel = reads_cancel(backends)
+    worker = Worker(Nixl([True, True]), reads_cancel=reads_cancel(backends))  # NIXL would say yes: it must not be asked
     worker._read_blocks_for_req("r1", meta=None)
     clock[0] += TIMEOUT_S + 1
     worker.get_transfer_results()
@@ -125,8 +139,7 @@ def test_a_read_that_is_never_posted_fails_at_its_deadline(clock, monkeypatch):
 
 
 def test_without_a_deadline_reads_are_not_clocked(clock):
-    worker = Worker(Nixl([]))
-    worker._read_timeout_s = None
+    worker = Worker(Nixl([]), timeout_s=None)
     worker._read_blocks_for_req("r1", meta=None)
     clock[0] += 3600
     worker.get_transfer_results()

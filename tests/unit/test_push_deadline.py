@@ -8,8 +8,11 @@ from types import SimpleNamespace
 
 import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPushConnectorWorker
 
-from connector.push_deadline import DROP_KEY, DeadlineScheduler, DeadlineWorker
+from connector.push_connector import PushScheduler
+from connector.push_deadline import DROP_KEY, DeadlineWorker
+from connector.settings import ConnectorSettings
 from connector.side_notifs import WONT_WRITE_NOTIF
 
 REGISTRATION = {
@@ -19,10 +22,37 @@ REGISTRATION = {
 }
 
 
-def _scheduler() -> DeadlineScheduler:
-    scheduler = DeadlineScheduler.__new__(DeadlineScheduler)  # vLLM's own state: only what these paths touch
-    scheduler._push_pending_registrations, scheduler._push_registration_deadlines = {}, {}
-    scheduler._registered = {"cmpl-rdv-1-0": dict(REGISTRATION), "cmpl-rdv-2-0": dict(REGISTRATION, request_id="cmpl-rdv-2-0")}
+def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") -> PushScheduler:
+    """The composed push scheduler, as an engine has it: vLLM's own scheduler built by vLLM's constructor (a
+    one-rank CPU engine's config, one full-attention KV cache group), then our features composed in
+    (``init_features``, as ``connector.vllm_connectors`` does). ``extra``: the ``kv_connector_extra_config``."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    extra = dict(extra or {})
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
+                                        data_parallel_size=1, data_parallel_rank=0),
+        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_buffer_device="cpu",
+                                           get_from_extra_config=lambda key, default: extra.get(key, default)),
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        model_config=SimpleNamespace(dtype=torch.float32, get_total_num_hidden_layers=lambda: 1,
+                                     get_total_num_kv_heads=lambda: 1, get_head_size=lambda: 8),
+        max_concurrent_batches=1,
+    )
+    scheduler = PushScheduler(vllm_config, engine_id, kv_cache_config)
+    scheduler.init_features(ConnectorSettings.parse(extra), vllm_config)
+    return scheduler
+
+
+def _scheduler() -> PushScheduler:
+    scheduler = push_scheduler()
+    # Registrations staged and stamped for both (as update_state_after_alloc leaves them, once vLLM sent them).
+    scheduler._deadline._registered = {"cmpl-rdv-1-0": dict(REGISTRATION),
+                                       "cmpl-rdv-2-0": dict(REGISTRATION, request_id="cmpl-rdv-2-0")}
     return scheduler
 
 
@@ -37,7 +67,8 @@ def test_decode_withdraws_the_registration_of_a_request_that_ends_before_its_kv_
     withdrawal = scheduler._push_pending_registrations.pop("cmpl-rdv-1-0")
     assert withdrawal[DROP_KEY] is True and "local_block_ids" not in withdrawal and "rendezvous_offer" not in withdrawal
     assert withdrawal["remote_engine_id"] == "prefill-engine" and withdrawal["decode_engine_id"] == "decode-engine"
-    assert scheduler._push_pending_registrations == {} and scheduler._registered == {}  # a landed one: nothing to say
+    # A landed one: nothing to say.
+    assert scheduler._push_pending_registrations == {} and scheduler._deadline._registered == {}
 
 
 class _Nixl:
@@ -48,14 +79,36 @@ class _Nixl:
         self.sent.append((agent_name, notif_msg))
 
 
-def _worker() -> DeadlineWorker:
-    worker = DeadlineWorker.__new__(DeadlineWorker)
-    worker._pending_d_registrations, worker._aborted_legs = {}, {}
-    worker._remote_agents = {"decode-engine": {0: "decode-agent-0"}}
-    worker.nixl_wrapper = _Nixl()
-    worker._pop_matching_finished_blocks = lambda request_id: None  # its leg has computed nothing here
-    worker.shutdown = lambda: None  # vLLM's stops a writer thread this one never started
-    return worker
+class _VllmPrefillWorker:
+    """What DeadlineWorker relies on of vLLM's push worker on prefill, with vLLM's own handling of a
+    registration notification (kept in _pending_d_registrations until the leg's blocks are ready)."""
+
+    _handle_push_reg_notif = NixlPushConnectorWorker._handle_push_reg_notif
+
+    def __init__(self):
+        self._pending_d_registrations = {}
+        self._remote_agents = {"decode-engine": {0: "decode-agent-0"}}
+        self.nixl_wrapper = _Nixl()
+
+    def _pop_matching_finished_blocks(self, request_id):
+        return None  # its leg has computed nothing here
+
+
+class _Worker(_VllmPrefillWorker):
+    """The host above with the deadline composed in as connector.push_connector.PushWorker composes it."""
+
+    def __init__(self):
+        super().__init__()
+        self._deadline = DeadlineWorker(self)
+
+    def _handle_push_reg_notif(self, notif: bytes) -> None:
+        if not self._deadline.withdrawn(notif):
+            super()._handle_push_reg_notif(notif)
+            self._deadline.registered()
+
+
+def _worker() -> _Worker:
+    return _Worker()
 
 
 def _notif(registration: dict) -> bytes:

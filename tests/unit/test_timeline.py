@@ -169,6 +169,30 @@ def test_the_ingress_completes_and_records_a_timeline_before_yielding_a_whole_re
     assert (state.rendezvous_first_token, state.rendezvous_output_tokens) == (11.0, 7)
 
 
+class _Staged:
+    """A fake of vLLM's connector scheduler (the host) with the stage clock composed in: each hook calls the
+    clock where connector.push_connector.PushScheduler (and pull_connector.PullScheduler) call it, around the
+    host's own."""
+
+    def __init__(self, host, clock):
+        self.host, self.stages = host, clock
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        stage = self.stages.before_alloc(request)
+        self.host.update_state_after_alloc(request, blocks, num_external_tokens)
+        self.stages.allocated(request, blocks, num_external_tokens, stage)
+
+    def update_connector_output(self, connector_output):
+        self.host.update_connector_output(connector_output)
+        self.stages.output(connector_output)
+
+    def request_finished(self, request, block_ids):
+        stages = self.stages.finishing(request)
+        delay, params = self.host.request_finished(request, block_ids)
+        self.stages.finished(stages, params)
+        return delay, params
+
+
 def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
     from connector.stages import StageClock
 
@@ -180,12 +204,7 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
             request.kv_transfer_params = {"do_remote_decode": False}  # vLLM rewrites them
             return True, {"remote_block_ids": [1]}
 
-    class Scheduler(StageClock, Upstream):
-        def __init__(self):
-            super().__init__()
-            self.init_stages()
-
-    scheduler = Scheduler()
+    scheduler = _Staged(Upstream(), StageClock(None))
     leg = SimpleNamespace(request_id="p", arrival_time=50.0, num_prompt_tokens=300,
                           kv_transfer_params={"do_remote_decode": True})
     scheduler.update_state_after_alloc(leg, None, 200)  # 200 of them read back (a conversation's history)
@@ -210,8 +229,6 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
     monkeypatch.setattr(stages.time, "time", lambda: clock[0])
 
     class Upstream:
-        _kv_timeout_s = 60.0  # push's deadline (connector.push_deadline)
-
         def update_state_after_alloc(self, request, blocks, num_external_tokens):
             request.kv_transfer_params = {"do_remote_prefill": False}  # vLLM clears it once registered
 
@@ -220,11 +237,6 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
 
         def request_finished(self, request, block_ids):
             return False, None
-
-    class Scheduler(stages.StageClock, Upstream):
-        def __init__(self):
-            super().__init__()
-            self.init_stages()
 
     def decode_request(rid):
         return SimpleNamespace(request_id=rid, kv_transfer_params={"do_remote_prefill": True})
@@ -236,7 +248,7 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
         heard = []
         sock = stages.listen_for_decode_stamps(heard.append)
         assert sock is not None
-        scheduler = Scheduler()
+        scheduler = _Staged(Upstream(), stages.StageClock(60.0))  # push's deadline (connector.push_deadline)
         names = ["chatcmpl-rdv-1", "chatcmpl-rdv-2", "chatcmpl-rdv-3", "chatcmpl-rdv-4"]
         for i, name in enumerate(names):
             scheduler.update_state_after_alloc(decode_request(name), blocks(10 * i, 10 * i + 1), 64)
@@ -290,8 +302,21 @@ def test_prefill_tells_decode_when_its_write_starts_and_decode_tells_its_replica
                 self.vllm_saw.append(self._pending_completion_notifs.get_nowait())
             return set()
 
-    class Worker(stages.WriteClock, Upstream):
-        pass
+    class Worker(Upstream):
+        """The fake above as the host, with the write clock composed in as connector.push_connector.PushWorker
+        composes it."""
+
+        def __init__(self):
+            super().__init__()
+            self._clock = stages.WriteClock(self)
+
+        def _xfer_blocks_for_req(self, req_id, meta):
+            self._clock.writing(req_id, meta)
+            return super()._xfer_blocks_for_req(req_id, meta)
+
+        def _get_new_notifs(self):
+            self._clock.take_notifs()
+            return super()._get_new_notifs()
 
     prefill = Worker()
     meta = SimpleNamespace(remote=SimpleNamespace(engine_id="decode-engine", request_id="chatcmpl-rdv-3-abc"))

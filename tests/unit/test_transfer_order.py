@@ -35,7 +35,7 @@ def test_which_steps_start_transfers(fields, starts):
 
 
 class _Upstream:
-    """Stands in for vLLM's connector scheduler below the mixin: returns a fixed metadata."""
+    """Stands in for vLLM's connector scheduler (the host): returns a fixed metadata."""
 
     def __init__(self, meta):
         self.meta = meta
@@ -44,15 +44,25 @@ class _Upstream:
         return self.meta
 
 
-class _Scheduler(TransfersFirst, _Upstream):
-    pass
+class _Scheduler(_Upstream):
+    """The host above with TransfersFirst composed in as connector.push_connector.PushScheduler (and
+    pull_connector.PullScheduler) compose it: after the host's own build_connector_meta."""
+
+    def __init__(self, meta):
+        super().__init__(meta)
+        self._transfers = TransfersFirst()
+
+    def build_connector_meta(self, scheduler_output):
+        meta = super().build_connector_meta(scheduler_output)
+        self._transfers.built(meta, scheduler_output)
+        return meta
 
 
 @pytest.mark.parametrize("transfers_first", [True, False])
 @pytest.mark.parametrize("meta, starts", [(_meta(push_finished_blocks={"p1": ([3],)}), True), (_meta(), False)])
 def test_a_step_that_starts_transfers_starts_them_before_the_forward_where_it_blocks(transfers_first, meta, starts):
     scheduler = _Scheduler(meta)
-    scheduler._transfers_first = transfers_first
+    scheduler._transfers._transfers_first = transfers_first
     output = SchedulerOutput.make_empty()
     assert scheduler.build_connector_meta(output) is meta
     assert output.has_sync_kv_loads is (transfers_first and starts)
@@ -63,6 +73,21 @@ def test_on_this_cpu_box_the_forward_blocks():
     scheduler = _Scheduler(_meta(reqs_to_recv={"d1": object()}))
     output = SchedulerOutput.make_empty()
     scheduler.build_connector_meta(output)
+    assert output.has_sync_kv_loads is True
+
+
+def test_the_composed_push_scheduler_marks_a_step_that_starts_transfers():
+    """The real thing: vLLM's push scheduler with our features (connector.push_connector), on this CPU box.
+    A registration staged for decode's worker ships in this step's metadata: the step starts it first."""
+    from tests.unit.test_push_deadline import push_scheduler
+
+    scheduler = push_scheduler()
+    idle = SchedulerOutput.make_empty()
+    scheduler.build_connector_meta(idle)
+    assert idle.has_sync_kv_loads is False  # nothing to move
+    scheduler._push_pending_registrations["d1"] = {"request_id": "d1"}
+    output = SchedulerOutput.make_empty()
+    assert scheduler.build_connector_meta(output).push_registrations == {"d1": {"request_id": "d1"}}
     assert output.has_sync_kv_loads is True
 
 
