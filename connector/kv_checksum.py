@@ -96,7 +96,7 @@ _UNMAPPED = object()  # ChecksumState.regions before the KV cache was looked at
 
 @dataclass
 class ChecksumState:
-    """A worker's checksum state (KvSumsCheck.init_checksums): the NIXL worker is vLLM's, built by vLLM."""
+    """A worker's checksum state (held by its KvSumsCheck feature)."""
 
     regions: Any = _UNMAPPED  # per layer region a [blocks, words] int64 view of what NIXL moves; None: not covered
     warned: set = field(default_factory=set)  # kinds of transfer logged once as unchecked

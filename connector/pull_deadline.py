@@ -23,7 +23,7 @@ last of several producer ranks' shares, while the others land: vLLM would count 
 received once the posted READs are done, so the request is held back until its deadline (decode must
 never start on part of its KV).
 
-Swapped into vLLM's pull worker by ``connector.vllm_connectors`` (both roles: prefill's READ of a
+Composed into vLLM's pull worker by ``connector.pull_connector`` (both roles: prefill's READ of a
 conversation's history from decode, ``pull_history: upstream``, gets the same deadline).
 """
 

@@ -6,7 +6,7 @@ Ours (the WRITE's start, the KV's sums, an aborted leg, the completion of a hist
 parser. Taking them out when the main thread reads the queue races the writer thread, which
 may forward one between our read and vLLM's (seen under load: a ``UnicodeDecodeError`` killed
 the decode engine). So the queue routes ours to side queues as they are put
-(:class:`SideRoutingQueue`), and each of our mixins takes its own (:func:`take`).
+(:class:`SideRoutingQueue`), and each of our features takes its own (:func:`take`).
 """
 
 from __future__ import annotations

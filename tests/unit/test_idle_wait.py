@@ -184,7 +184,7 @@ def test_the_writer_polls_only_while_the_engine_is_idle():
 def _idle_scheduler(monkeypatch):
     """The composed push scheduler (connector.push_connector: vLLM's own, with our features), its engine core's
     wake channel stood in for (armed: a worker of ours has reached it): (scheduler, waits, lookups)."""
-    from tests.unit.test_push_deadline import push_scheduler
+    from tests.support.connectors import push_scheduler
 
     waits, lookups = [], []
 

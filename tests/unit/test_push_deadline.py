@@ -12,40 +12,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 
 from connector.push_connector import PushScheduler
 from connector.push_deadline import DROP_KEY, DeadlineWorker
-from connector.settings import ConnectorSettings
 from connector.side_notifs import WONT_WRITE_NOTIF
+from tests.support.connectors import push_scheduler
 
 REGISTRATION = {
     "request_id": "cmpl-rdv-1-0", "decode_engine_id": "decode-engine", "decode_host": "127.0.0.1", "decode_port": 5601,
     "decode_tp_size": 1, "local_block_ids": [[3, 4]], "remote_engine_id": "prefill-engine", "remote_host": "127.0.0.1",
     "remote_port": 5600, "remote_tp_size": 1, "remote_pp_size": 1, "rendezvous_offer": {"block_ids": [1]},
 }
-
-
-def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") -> PushScheduler:
-    """The composed push scheduler, as an engine has it: vLLM's own scheduler built by vLLM's constructor (a
-    one-rank CPU engine's config, one full-attention KV cache group), then our features composed in
-    (``init_features``, as ``connector.vllm_connectors`` does). ``extra``: the ``kv_connector_extra_config``."""
-    import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-    extra = dict(extra or {})
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    kv_cache_config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
-    vllm_config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, decode_context_parallel_size=1, data_parallel_index=0,
-                                        data_parallel_size=1, data_parallel_rank=0),
-        cache_config=SimpleNamespace(block_size=16, cache_dtype="auto"),
-        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, kv_buffer_device="cpu",
-                                           get_from_extra_config=lambda key, default: extra.get(key, default)),
-        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        model_config=SimpleNamespace(dtype=torch.float32, get_total_num_hidden_layers=lambda: 1,
-                                     get_total_num_kv_heads=lambda: 1, get_head_size=lambda: 8),
-        max_concurrent_batches=1,
-    )
-    scheduler = PushScheduler(vllm_config, engine_id, kv_cache_config)
-    scheduler.init_features(ConnectorSettings.parse(extra), vllm_config)
-    return scheduler
 
 
 def _scheduler() -> PushScheduler:

@@ -79,7 +79,7 @@ def test_on_this_cpu_box_the_forward_blocks():
 def test_the_composed_push_scheduler_marks_a_step_that_starts_transfers():
     """The real thing: vLLM's push scheduler with our features (connector.push_connector), on this CPU box.
     A registration staged for decode's worker ships in this step's metadata: the step starts it first."""
-    from tests.unit.test_push_deadline import push_scheduler
+    from tests.support.connectors import push_scheduler
 
     scheduler = push_scheduler()
     idle = SchedulerOutput.make_empty()
