@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 from app.args import AppArgs
 from app.procs import base_url_of
-from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
+from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from connector.port_check import holder, is_free
 from connector.ports import Role
 

@@ -29,22 +29,12 @@ registers its offer alone, with the sums of its share, and prefill combines them
 history's read back, are checked the same way on landing (``KvSumsCheck``); the sums travel with
 the requests instead (``connector.pull_checksum``).
 
-Fault injection, for tests and benchmarks only: with ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
-(and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
-transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
-check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
-``shift`` makes prefill write every block into its neighbour's slot (pull: decode reads them so,
-``connector.pull_checksum``), ``drop-rank`` makes the last
-of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
-waits for every producer rank's notification, then recomputes at the registration's deadline; pull:
-decode never READs that rank's share, ``connector.pull_deadline``), ``stall-read`` makes a pull
-worker post no READ (``connector.pull_deadline`` cancels it at its deadline).
+Fault injection, for tests and benchmarks only: ``connector.faults``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,6 +46,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
+from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV, injected_fault  # noqa: F401 (tests set them)
 from connector.feature import Feature
 from connector.kv_digest import DigestJob, digest_job
 from connector.push_reuse import OFFER_KEY, ReuseOffers
@@ -66,9 +57,6 @@ from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_
 
 logger = logging.getLogger("vllm.rendezvous")
 
-FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
-FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read")
 _EXPECTED_KEPT = 4096  # sums of receives still in flight; older ones (aborted, expired) are dropped
 SUMS_WAIT_S = 2.0  # how long a receive that landed before its senders' sums waits for them (then: unchecked)
 
@@ -127,19 +115,6 @@ class _Received:
 
     producers: int
     sums: list[np.ndarray] = field(default_factory=list)
-
-
-def injected_fault() -> str | None:
-    """The fault the test harness asks for now, if any (read at each use: tests switch it on a running app)."""
-    path = os.environ.get(FAULT_FILE_ENV)
-    if not path or os.environ.get(FAULTS_ALLOWED_ENV) != "1":
-        return None
-    try:
-        with open(path) as f:
-            fault = f.read().strip()
-    except OSError:
-        return None
-    return fault if fault in FAULTS else None
 
 
 def mismatches(expected: np.ndarray, got: np.ndarray) -> list[tuple[int, int]]:

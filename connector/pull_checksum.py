@@ -46,7 +46,8 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from connector.feature import Feature
-from connector.kv_checksum import KvSumsCheck, injected_fault
+from connector.faults import injected_fault
+from connector.kv_checksum import KvSumsCheck
 from connector.settings import DEFAULTS
 from connector.sum_ranks import expected_for_rank, parts_for, sender_ranks, why_unpaired
 from connector.params import (KEEP_HISTORY_KEY, KV_SUMS_KEY, READ_PLANNED_KEY, REUSE_REPORT_KEY, ReuseReason,

@@ -33,7 +33,7 @@ import logging
 import time
 
 from connector.feature import Feature
-from connector.kv_checksum import injected_fault
+from connector.faults import injected_fault
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 

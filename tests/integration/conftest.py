@@ -16,7 +16,7 @@ import yaml
 
 from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV, RoleMetrics
-from connector.kv_checksum import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
+from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"

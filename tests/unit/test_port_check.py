@@ -89,3 +89,14 @@ def test_a_taken_port_is_refused_with_its_holder_and_the_way_out():
     assert busy == [f"port {port}, HTTP (http_options.port): held by pid {os.getpid()} ({psutil.Process().name()})"]
     message = refusal("configs/local-cpu.yaml", busy)
     assert message.startswith("[rendezvous] cannot start configs/local-cpu.yaml") and "make clean-procs" in message
+
+
+def test_make_serve_refuses_before_loading_vllm():
+    """app.run checks its ports first: the refusal is the first thing it prints, in a second, not after
+    16 s of importing vLLM (whose import prints on stderr before it, as vLLM 0.32's Triton notice did)."""
+    import subprocess
+    import sys
+
+    code = "import sys, app.run; print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]" and not out.stderr, out
