@@ -10,9 +10,13 @@ which answers them exactly as one engine would:
 * prompt logprobs (``prompt_logprobs``, or ``echo``, which asks for them as well):
   they come from the engine that computes the prompt, and decode computes none of it;
 * a request decode's engine refuses (a 400) while the prefill leg, shaped to one token,
-  would pass: sampling parameters vLLM rejects (``max_tokens`` 0 or below, ...), or a
-  prompt plus requested output beyond the model's context. The leg would compute the
-  prompt and hold its KV for nobody until its lease ran out.
+  would pass: sampling parameters vLLM rejects (``max_tokens`` 0 or below, ...). The leg
+  would compute the prompt and hold its KV for nobody until its lease ran out;
+* a prompt that leaves no room in the model's context for one token: vLLM refuses it.
+
+A prompt plus *requested* output beyond the context is not among them: vLLM (since 0.32,
+``get_max_tokens``) serves it, its output bounded by what the context holds, and so does
+a disaggregated request (decode's engine bounds it the same way).
 """
 
 from __future__ import annotations
@@ -37,9 +41,8 @@ def decode_alone_reason(request: Any, prompt_tokens: int | None, max_model_len: 
         return "prompt logprobs"
     if _refused_sampling(request, max_model_len):
         return "invalid sampling parameters"
-    if prompt_tokens is not None and max_model_len:
-        if prompt_tokens + (requested_output_tokens(request) or 1) > max_model_len:
-            return "longer than the context"
+    if prompt_tokens is not None and max_model_len and prompt_tokens + 1 > max_model_len:
+        return "longer than the context"
     return None
 
 

@@ -132,8 +132,9 @@ class RoleMetrics:
             if name.startswith("ray_vllm_") and "ReplicaId" in labels:
                 role = role_of.get(labels["ReplicaId"], "unknown")
                 key = name.removeprefix("ray_vllm_")
-                if "le" in labels:
-                    key += f"[le={labels['le']}]"
+                for label in ("le", "source"):  # a histogram's bucket; where prompt tokens came from
+                    if label in labels:
+                        key += f"[{label}={labels[label]}]"
                 totals[role][key] += value
                 totals[f"replica:{labels['ReplicaId']}"][key] += value
         return {role: dict(values) for role, values in totals.items()}

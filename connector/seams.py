@@ -404,6 +404,12 @@ SEAMS: list[Seam] = [
     Seam("vllm", "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "chat_completion_full_generator",
          "behaviour", ("app/planner.py",), "keep pull history only for non-streamed turns (streams carry no params)",
          checked_by=T_PULL),
+    Seam("vllm", "vllm.entrypoints.serve.utils.api_utils", "get_max_tokens", "behaviour", ("app/eligibility.py",),
+         "disaggregate a request that asks for more output than the context holds: vLLM serves it, its output "
+         "bounded by the context (0.29 refused it with a 400, and decode served it alone to refuse it)",
+         snippet="model_max_tokens = max_model_len - input_length",
+         checked_by="tests/unit/test_eligibility.py::"
+                    "test_vllm_serves_a_request_for_more_output_than_the_context_holds_bounded_by_it"),
     Seam("vllm", "vllm.envs", "environment_variables", "behaviour", ("connector/engine_env.py",),
          "set the side channel, request id and CPU env vars vLLM reads",
          checked_by=_T + "test_vllm_reads_the_env_we_set"),

@@ -52,15 +52,28 @@ def test_sampling_parameters_decode_would_refuse_are_refused_by_decode_alone(req
 
 @pytest.mark.parametrize("request_, prompt_tokens, alone", [
     (completion(max_tokens=96), 4000, False),  # exactly the context
-    (completion(max_tokens=97), 4000, True),
-    (chat(max_tokens=10, max_completion_tokens=200), 4000, True),  # chat reads max_completion_tokens first
+    (completion(max_tokens=97), 4000, False),  # more than fits: vLLM bounds the output by the context
+    (chat(max_tokens=10, max_completion_tokens=200), 4000, False),
+    (completion(max_tokens=10**6), 4095, False),  # room for one token
     (chat(), 4095, False),  # no bound: up to the context, one token at least
-    (chat(), 4096, True),
+    (chat(), 4096, True),  # no room for one token: vLLM refuses it
+    (completion(max_tokens=1), 4096, True),
     (completion(max_tokens=10**6), None, False),  # prompt not counted: the engines decide
 ])
-def test_a_request_beyond_the_context_is_refused_by_decode_alone(request_, prompt_tokens, alone):
+def test_only_a_prompt_that_fills_the_context_is_refused_by_decode_alone(request_, prompt_tokens, alone):
     reason = decode_alone_reason(request_, prompt_tokens=prompt_tokens, max_model_len=4096)
     assert (reason == "longer than the context") is alone
+
+
+def test_vllm_serves_a_request_for_more_output_than_the_context_holds_bounded_by_it():
+    """The vLLM behaviour the rule above follows (a seam): 4000 prompt tokens in a 4096-token context, 10**6
+    output tokens asked for: 96 are allowed, not an error; a prompt that fills the context is refused."""
+    from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+    assert get_max_tokens(4096, 10**6, 4000, {}) == 96
+    assert get_max_tokens(4096, 16, 4000, {}) == 16
+    with pytest.raises(ValueError):
+        get_max_tokens(4096, 16, 4097, {})
 
 
 @pytest.mark.parametrize("request_", [

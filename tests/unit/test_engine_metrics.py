@@ -75,6 +75,9 @@ ray_vllm_nixl_bytes_transferred_bucket{ReplicaId="p1",le="1024.0"} 1.0
 ray_vllm_nixl_bytes_transferred_bucket{ReplicaId="p1",le="+Inf"} 2.0
 ray_vllm_nixl_bytes_transferred_count{ReplicaId="p1"} 2.0
 ray_vllm_gpu_cache_usage_perc{ReplicaId="gone"} 0.5
+# TYPE ray_vllm_prompt_tokens_by_source_total counter
+ray_vllm_prompt_tokens_by_source_total{ReplicaId="d1",source="local_compute"} 1.0
+ray_vllm_prompt_tokens_by_source_total{ReplicaId="d1",source="external_kv_transfer"} 99.0
 """
 
 
@@ -92,10 +95,13 @@ def test_snapshot_maps_replicas_to_roles(page):
         "nixl_bytes_transferred_bucket[le=+Inf]": 2.0,
         "nixl_bytes_transferred_count": 2.0,
     }
-    assert snap["decode"] == {"request_success_total": 5.0}
-    assert snap["replica:d1"] == {"request_success_total": 5.0}
+    by_source = {"prompt_tokens_by_source_total[source=local_compute]": 1.0,  # kept apart by source
+                 "prompt_tokens_by_source_total[source=external_kv_transfer]": 99.0}
+    assert snap["decode"] == {"request_success_total": 5.0, **by_source}
+    assert snap["replica:d1"] == {"request_success_total": 5.0, **by_source}
     assert snap["unknown"] == {"gpu_cache_usage_perc": 0.5}
-    assert RoleMetrics(["http://a/metrics", "http://b/metrics"]).snapshot()["decode"] == {"request_success_total": 10.0}
+    assert RoleMetrics(["http://a/metrics", "http://b/metrics"]).snapshot()["decode"] == {
+        "request_success_total": 10.0, **{key: 2 * value for key, value in by_source.items()}}
 
 
 def test_counted_by(page):

@@ -331,9 +331,14 @@ def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_token
     assert _drain(server, "chat", _hi()) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
-@pytest.mark.parametrize("request_, expected", [(_hi(n=2), "local"), (_hi(max_tokens=4000), "local"), (_hi(max_tokens=3000), "remote")])
-def test_decode_server_serves_alone_what_a_prefill_leg_cannot(local_engine, request_, expected):
-    server = _decode_server(prompt_tokens=400)  # 400 + 4000 > the fake's 4096
+@pytest.mark.parametrize("request_, prompt_tokens, expected", [
+    (_hi(n=2), 400, "local"),
+    (_hi(max_tokens=4000), 400, "remote"),  # 400 + 4000 > the fake's 4096: vLLM bounds the output, not a refusal
+    (_hi(max_tokens=3000), 400, "remote"),
+    (_hi(max_tokens=1), 4096, "local"),  # no room for one token: decode's engine refuses it
+])
+def test_decode_server_serves_alone_what_a_prefill_leg_cannot(local_engine, request_, prompt_tokens, expected):
+    server = _decode_server(prompt_tokens=prompt_tokens)
     assert _drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
