@@ -1,7 +1,7 @@
 """The ``kv_transfer_params`` codec: every key vLLM's NIXL connectors read, in one place.
 
 The orchestrator works with typed objects (:class:`PeerIdentity`); this module turns
-them into the dicts vLLM 0.29 expects on each leg. Pinned to vLLM 0.29's NIXL push/pull
+them into the dicts vLLM expects on each leg. Pinned to vLLM 0.32's NIXL push/pull
 connectors (see ``tests/unit/test_params.py`` for the seam).
 """
 

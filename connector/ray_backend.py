@@ -13,7 +13,7 @@ we register our own for both vLLM connector names:
   on both legs;
 * pull (default sequential protocol): decode READs using what prefill returned.
 
-Pinned to ray 2.60 (``BaseConnectorBackend`` protocol) and vLLM 0.29.
+Pinned to ray 2.60 (``BaseConnectorBackend`` protocol) and vLLM 0.32.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ neither Ray, vLLM nor ``app``).
 
 Upstream can rename or reshape any of these in a patch release. ``tests/unit/test_seams.py``
 resolves every entry against the installed packages and fails with the entry's own words
-("vllm 0.29.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
+("vllm 0.32.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
 also fails when code in ``app/`` or ``connector/`` starts using a private name or module
 that is not listed here. So: a new private use gets an entry, and an upgrade starts with
 ``pytest tests/unit/test_seams.py`` (README: "Upgrading vLLM or Ray").
