@@ -46,7 +46,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_request_id
 
-from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV, injected_fault  # noqa: F401 (tests set them)
+from connector.faults import injected_fault
 from connector.feature import Feature
 from connector.kv_digest import DigestJob, digest_job
 from connector.push_reuse import OFFER_KEY, ReuseOffers

@@ -18,7 +18,7 @@ import pytest
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import PUSH_REG_NOTIF_PREFIX
 
-from connector import kv_checksum, kv_digest
+from connector import faults, kv_checksum, kv_digest
 from connector.kv_checksum import KvChecksums, KvSumsCheck, mismatches
 from connector.side_notifs import KV_SUMS_NOTIF, SideRoutingQueue
 
@@ -255,8 +255,8 @@ def test_a_clean_push_is_received_and_nothing_reaches_vllm_but_its_own_notificat
 @pytest.mark.parametrize("fault", ["flip", "shift"])
 def test_kv_that_lands_wrong_fails_the_receive_so_vllm_recomputes_it(fault, tmp_path, monkeypatch):
     (tmp_path / "fault").write_text(fault)
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     prefill, decode = _pair()
     done, failed = _push(prefill, decode)
     assert done == set() and failed == ["rdv-1"]
@@ -270,17 +270,17 @@ def test_a_write_that_never_happened_is_caught_too():
 
 def test_faults_need_both_switches(tmp_path, monkeypatch):
     (tmp_path / "fault").write_text("flip")
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
-    assert kv_checksum.injected_fault() is None
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
-    assert kv_checksum.injected_fault() == "flip"
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    assert faults.injected_fault() is None
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
+    assert faults.injected_fault() == "flip"
     (tmp_path / "fault").write_text("")
-    assert kv_checksum.injected_fault() is None
+    assert faults.injected_fault() is None
 
     from app.preflight import fault_injection_refusal
 
-    assert fault_injection_refusal({kv_checksum.FAULT_FILE_ENV: "/x"}) is not None
-    assert fault_injection_refusal({kv_checksum.FAULT_FILE_ENV: "/x", kv_checksum.FAULTS_ALLOWED_ENV: "1"}) is None
+    assert fault_injection_refusal({faults.FAULT_FILE_ENV: "/x"}) is not None
+    assert fault_injection_refusal({faults.FAULT_FILE_ENV: "/x", faults.FAULTS_ALLOWED_ENV: "1"}) is None
     assert fault_injection_refusal({}) is None
 
 
@@ -330,8 +330,8 @@ def test_a_receive_is_held_until_the_device_has_digested_it_then_checked(tmp_pat
 
     monkeypatch.setattr(kv_digest.DigestJob, "of", classmethod(lambda cls, compute, device: made.append(1) or Slow(compute())))
     (tmp_path / "fault").write_text("flip")
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     prefill, decode = _pair()
     assert _push(prefill, decode) == (set(), [])  # landed, flipped, being digested: neither done nor failed
     assert _pop(decode) == (set(), [])
@@ -349,8 +349,8 @@ def test_kv_staged_through_host_memory_is_checked_where_nixl_moves_it(fault, tmp
     """kv_buffer_device "cpu" on a device NIXL cannot register (the Trainium config): the sums are of the host
     buffers NIXL moves, on both sides (they were switched off there, with a log line as the only sign)."""
     (tmp_path / "fault").write_text(fault)
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     prefill, decode = _pair()
     prefill.host.stage_through_host()
     decode.host.stage_through_host()
@@ -365,8 +365,8 @@ def test_a_history_read_back_is_checked_against_the_sums_decode_offered(fault, m
     blocks its READ landed (paired one to one with the offered ones it read), and a mismatch fails the
     READ (prefill recomputes) and is handed to the scheduler for the turn's report."""
     (tmp_path / "fault").write_text(fault)
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(tmp_path / "fault"))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(tmp_path / "fault"))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     from connector.push_reuse import OFFER_KEY
     from connector.side_notifs import HISTORY_READ_ID
 

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from connector import kv_checksum
+from connector import faults, kv_checksum
 from connector.params import KEEP_HISTORY_KEY, KV_SUMS_KEY, REUSE_REPORT_KEY
 from connector.pull_checksum import (
     EXPECTED_ATTR,
@@ -308,8 +308,8 @@ def test_a_clean_read_is_done_and_a_read_that_landed_wrong_is_failed_and_counted
     assert _pull(Worker.of("prefill", 1), Worker.of("decode", 2), decode_blocks=first_block_cached) == ({"d"}, [])
     fault = tmp_path / "fault"
     fault.write_text("flip")
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(fault))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(fault))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     assert _pull(Worker.of("prefill", 1), Worker.of("decode", 2)) == (set(), ["d"])
     assert [(s.request_id, s.failed) for s in sent] == [("d", "kv_mismatch")]
 
@@ -320,8 +320,8 @@ def test_a_history_read_back_that_landed_wrong_is_failed_and_reported_to_prefill
     assert _pull(Worker.of("decode", 1), Worker.of("prefill", 2), read_back=True) == ({"d"}, [])
     fault = tmp_path / "fault"
     fault.write_text("flip-history")
-    monkeypatch.setenv(kv_checksum.FAULT_FILE_ENV, str(fault))
-    monkeypatch.setenv(kv_checksum.FAULTS_ALLOWED_ENV, "1")
+    monkeypatch.setenv(faults.FAULT_FILE_ENV, str(fault))
+    monkeypatch.setenv(faults.FAULTS_ALLOWED_ENV, "1")
     assert _pull(Worker.of("decode", 1), Worker.of("prefill", 2)) == ({"d"}, [])  # a prompt's READ: not this fault's
     reader = Worker.of("prefill", 2)
     assert _pull(Worker.of("decode", 1), reader, read_back=True) == (set(), ["d"])
