@@ -38,7 +38,6 @@ import hashlib
 import logging
 import queue
 import socket
-import sys
 import threading
 from typing import Any
 
@@ -103,16 +102,18 @@ def engine_core() -> Any:
     return None
 
 
-def stack_self(match) -> Any:
-    """The nearest ``self`` up the caller's stack that ``match`` accepts. Only for the worker's RPC
-    reader (``WorkerWake``): vLLM's worker process holds it in a local of its main function, and
-    calls the worker from inside its loop; nothing else reaches it."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        candidate = frame.f_locals.get("self")
-        if candidate is not None and match(candidate):
-            return candidate
-        frame = frame.f_back
+def rpc_reader() -> Any:
+    """This worker process's RPC reader (vLLM's ``WorkerProc.rpc_broadcast_mq``), or None (no worker
+    process: the uniprocess executor). vLLM hands the worker no reference to its ``WorkerProc``; the
+    thread that watches the parent's death pipe (``WorkerProc.monitor_death_pipe``) is started with
+    the worker's queues as its argument, the RPC reader first, before the first step."""
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+    for thread in threading.enumerate():
+        args = getattr(thread, "_args", ())
+        queues = args[0] if args and isinstance(args[0], list) else []
+        if thread.name == "DeathPipeMonitor" and queues and isinstance(queues[0], MessageQueue):
+            return queues[0]
     return None
 
 
@@ -200,8 +201,7 @@ class WorkerWake:
         self.idle_now = idle
         if not self._looked:
             self._looked = True
-            worker_proc = stack_self(lambda obj: hasattr(obj, "rpc_broadcast_mq"))
-            self._spin = getattr(getattr(worker_proc, "rpc_broadcast_mq", None), "_spin_condition", None)
+            self._spin = getattr(rpc_reader(), "_spin_condition", None)
             self._spin_busy_s = getattr(self._spin, "busy_loop_s", None)
             self.wake()  # first contact arms the engine core's waiting
         if self._spin is not None and self._spin_busy_s is not None:

@@ -23,7 +23,7 @@ from connector.idle_wait import (
     _PollWhileDue,
     idle_wait_s,
     ships_work,
-    stack_self,
+    rpc_reader,
     wake_address,
 )
 
@@ -111,23 +111,6 @@ def test_a_wake_with_nobody_listening_is_dropped():
     WorkerWake(f"nobody-{uuid.uuid4().hex}", 0).wake()  # no exception, no block
 
 
-def test_a_worker_after_an_idle_step_waits_on_its_rpc_socket_instead_of_spinning():
-    spin = SimpleNamespace(busy_loop_s=1.0)
-    rpc_reader = SimpleNamespace(rpc_broadcast_mq=SimpleNamespace(_spin_condition=spin))
-
-    class WorkerProc:  # vLLM's multiprocessing executor calls the worker from inside its RPC loop
-        rpc_broadcast_mq = rpc_reader.rpc_broadcast_mq
-
-        def run(self, worker, idle):
-            worker.idle(idle)
-
-    worker, proc = WorkerWake(f"spin-{uuid.uuid4().hex}", 0), WorkerProc()
-    proc.run(worker, True)
-    assert spin.busy_loop_s == 0.0
-    proc.run(worker, False)
-    assert spin.busy_loop_s == 1.0  # vLLM's own spin while there is work
-
-
 def test_the_writer_thread_polls_only_while_pushed_kv_is_due():
     due = [True]
     event = _PollWhileDue(lambda: due[0])
@@ -160,14 +143,41 @@ def test_the_writer_threads_notifications_wake_the_engine_and_ours_go_aside_with
     assert take(notifs, KV_SUMS_NOTIF) == [KV_SUMS_NOTIF + b"\x83\xa1"]
 
 
-def test_stack_self_finds_the_nearest_matching_caller():
-    class Outer:
-        def call(self, fn):
-            return fn()
+@pytest.fixture
+def worker_rpc_reader():
+    """A real RPC reader, handed to vLLM's own death-pipe thread as WorkerProc.monitor_death_pipe does."""
+    import multiprocessing
 
-    outer = Outer()
-    assert outer.call(lambda: stack_self(lambda obj: isinstance(obj, Outer))) is outer
-    assert stack_self(lambda obj: isinstance(obj, WorkerWake)) is None
+    from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    assert rpc_reader() is None  # no worker process here (vLLM's uniprocess executor)
+    writer = MessageQueue(n_reader=1, n_local_reader=1)  # the engine core's end
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)  # as WorkerProc.__init__ builds it
+    pipe_out, pipe_in = multiprocessing.Pipe(duplex=False)
+    WorkerProc.monitor_death_pipe(SimpleNamespace(rpc_broadcast_mq=reader, worker_response_mq=None), pipe_out,
+                                  threading.Event())
+    yield reader
+    pipe_in.close()  # the parent "exits": vLLM's thread shuts the queue and returns
+    deadline = time.monotonic() + 5
+    while rpc_reader() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rpc_reader() is None
+
+
+def test_rpc_reader_is_the_queue_vllm_hands_its_death_pipe_thread(worker_rpc_reader):
+    assert rpc_reader() is worker_rpc_reader
+
+
+def test_a_worker_after_an_idle_step_waits_on_its_rpc_socket_instead_of_spinning(worker_rpc_reader):
+    spin = worker_rpc_reader._spin_condition
+    busy = spin.busy_loop_s
+    assert busy > 0  # vLLM spins after each message
+    worker = WorkerWake(f"spin-{uuid.uuid4().hex}", 0)
+    worker.idle(True)
+    assert spin.busy_loop_s == 0.0
+    worker.idle(False)
+    assert spin.busy_loop_s == busy  # vLLM's own spin while there is work
 
 
 def test_the_writer_polls_only_while_the_engine_is_idle():
