@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rendezvous-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: serve serve-cluster test unit install model clean-procs bench-quick
+.PHONY: serve serve-cluster test test-fast unit install model clean-procs bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ test: model $(PROMTOOL) $(PROM_CRDS)
 
 unit: $(STAMP) $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests/unit
+
+# The inner loop (a few minutes): every unit test, and one integration smoke: the push app started as
+# `make serve` starts it, its greedy answers token-identical to one engine's. `make test` before a push.
+SMOKE := tests/integration/test_push.py::test_greedy_output_is_token_identical_to_a_single_engine
+test-fast: model $(PROMTOOL) $(PROM_CRDS)
+	$(BIN)/python -m pytest tests/unit $(SMOKE)
 
 clean-procs:
 	$(BIN)/python -m app.procs --kill
