@@ -1,10 +1,10 @@
-"""app.admission: the TTFB model, the AIMD limit and the decisions they make (pure: no Ray, no HTTP)."""
+"""app.routing.admission: the TTFB model, the AIMD limit and the decisions they make (pure: no Ray, no HTTP)."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.admission import (
+from app.routing.admission import (
     ALWAYS_ADMITTED,
     BACKOFF,
     MAX_RETRY_AFTER_S,

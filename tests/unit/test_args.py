@@ -8,7 +8,7 @@ import pytest
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from app.args import Accelerator, AppArgs, IngressArgs, ModelArgs, NixlArgs, RoleArgs
+from app.config.args import Accelerator, AppArgs, IngressArgs, ModelArgs, NixlArgs, RoleArgs
 from connector.params import TransferMode
 from connector.ports import PortPlan, Role
 

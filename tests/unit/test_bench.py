@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import bench.sweep as sweep
 from app.aggregated import aggregated_llm_config, parse_args
-from app.llm_configs import CPU_DEFAULT_ENV
-from app.procs import base_url_of
+from app.config.llm_configs import CPU_DEFAULT_ENV
+from app.tools.procs import base_url_of
 from bench.__main__ import parser
 from bench.engine_metrics import histogram_estimate, total_delta
 from bench.multiturn import (
@@ -32,6 +31,7 @@ from bench.multiturn import (
 from bench.plots import plot_results
 from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
 from bench.results import COLUMNS, TRANSFER_COLUMNS, Transfers, make_row, merge_rows, read_results, write_results
+import bench.sweep as sweep
 from tests.unit.test_layering import HEAVY, imports_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -660,7 +660,7 @@ def test_skew_report_table_and_percentiles():
 
 
 def test_skew_sets_the_decode_router_of_the_config(tmp_path):
-    from app.args import DecodeRouter
+    from app.config.args import DecodeRouter
     from bench.skew import PLACEMENTS, _config_with
 
     assert set(PLACEMENTS) == {r.value for r in DecodeRouter}
@@ -736,7 +736,7 @@ def test_openloop_records_how_long_its_own_loop_was_stalled():
 def test_timeline_report_from_log_lines(tmp_path):
     """bench timeline: timelines read back from an app log, matched by response id, medians
     per mode and kind, and the files it writes."""
-    from app.timeline import RequestTimeline
+    from app.request.timeline import RequestTimeline
     from bench.timeline import Sample, TimelineLoad, _engine_id, _schedule, medians, read_timelines, table, write_report
 
     remote = {"arrived": 0.0, "decode_received": 0.01, "legs_sent": 0.02, "prefill_queued": 0.03,
@@ -787,7 +787,7 @@ def test_overload_counts_goodput_as_complete_answers_within_the_slo_that_the_cli
 def test_overload_arms_differ_only_in_admission(tmp_path):
     from bench.overload import OverloadLoad, _arm_config
 
-    from app.args import AppArgs
+    from app.config.args import AppArgs
 
     load = OverloadLoad(slo_s=7.0, queue_deadline_s=14.0)
     configs = [yaml.safe_load(Path(_arm_config("configs/local-cpu.yaml", arm, load, tmp_path)).read_text())

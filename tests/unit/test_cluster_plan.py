@@ -1,5 +1,5 @@
-"""app.cluster_plan: the one-machine Ray cluster's namespaces, links, addresses and ``ray start``
-flags (pure: nothing is started), and what app.cluster and configs/local-cpu-2node.yaml take from it."""
+"""app.tools.cluster_plan: the one-machine Ray cluster's namespaces, links, addresses and ``ray start``
+flags (pure: nothing is started), and what app.tools.cluster and configs/local-cpu-2node.yaml take from it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.args import AppArgs
-from app.cluster_plan import (
+from app.config.args import AppArgs
+from app.tools.cluster_plan import (
     NS_DEVICE,
     NodeKind,
     auth_env,
@@ -159,7 +159,7 @@ def test_the_2node_config_lands_each_role_on_its_node():
 
 
 def test_the_plan_module_is_pure():
-    bad = [str(i) for i in repo_closure("app/cluster_plan.py") if i.top in HEAVY | {"subprocess"}]
+    bad = [str(i) for i in repo_closure("app/tools/cluster_plan.py") if i.top in HEAVY | {"subprocess"}]
     assert not bad, bad
 
 

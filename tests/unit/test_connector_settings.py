@@ -43,8 +43,8 @@ def test_the_backends_are_vllms_default_unless_set():
 
 
 def test_the_app_refuses_our_keys_in_nixl_extra_config_and_writes_the_rest_the_connectors_read():
-    from app.args import AppArgs
-    from app.llm_configs import kv_transfer_config
+    from app.config.args import AppArgs
+    from app.config.llm_configs import kv_transfer_config
     from connector.ports import Role
 
     with pytest.raises(ValueError, match=r"nixl.extra_config \['rendezvous_kv_checksums'\]: .* handoff"):

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from app.conversations import (
+from app.routing.conversations import (
     ATTEMPT,
     CONVERSATION_ID_PATTERN,
     EXPIRED,
@@ -16,7 +16,7 @@ from app.conversations import (
     ConversationTable,
     continues_a_conversation,
 )
-from app.routing import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from app.routing.pipeline import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 from connector.params import ReuseReport
 
 
@@ -92,8 +92,8 @@ def test_the_holder_wins_over_a_less_loaded_replica_unless_filtered_out():
 
 
 def test_the_router_reads_the_conversation_from_the_header_and_learns_holders():
-    from app.decode_router import LoadAwareDecodeRouter, conversation_of
-    from app.routing import STATS_KEY
+    from app.routing.decode_router import LoadAwareDecodeRouter, conversation_of
+    from app.routing.pipeline import STATS_KEY
 
     raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
     assert conversation_of(types.SimpleNamespace(args=("body", raw))) == "c"
@@ -272,8 +272,8 @@ def test_decode_keeps_blocks_only_for_the_turns_that_ask(monkeypatch):
 
 
 def _pull_turns():
-    from app.planner import PlanSettings
-    from app.turns import TurnBook
+    from app.routing.planner import PlanSettings
+    from app.decode.turns import TurnBook
     from connector.params import TransferMode
 
     settings = PlanSettings(TransferMode.PULL, 0, False, upstream_history=True, isolate_uncached=False)
@@ -295,7 +295,7 @@ OFFER = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids
     ],
 )
 def test_pull_reads_back_only_the_verified_history(kept, prompt, reason, reused):
-    from app.turns import KeptHistory
+    from app.decode.turns import KeptHistory
 
     turns = _pull_turns()
     table = turns.table
@@ -304,7 +304,7 @@ def test_pull_reads_back_only_the_verified_history(kept, prompt, reason, reused)
         turns._kept["c"] = KeptHistory(OFFER, kept, kept_at=1)
     turn = table.begin("c", now=2, continuation=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("app.turns.time.time", lambda: 2.0)
+        mp.setattr("app.decode.turns.time.time", lambda: 2.0)
         params = turns.read_back(turn, "rdv-2", prompt)
     report = turns.report("rdv-2")
     assert (report.reason, report.reused_tokens, report.kv_bytes_per_token) == (reason, reused, 1000)
@@ -316,7 +316,7 @@ def test_pull_reads_back_only_the_verified_history(kept, prompt, reason, reused)
 
 
 def test_an_expired_conversation_reads_nothing_back_and_its_kept_blocks_are_forgotten():
-    from app.turns import KeptHistory
+    from app.decode.turns import KeptHistory
 
     turns = _pull_turns()
     table = turns.table
@@ -325,13 +325,13 @@ def test_an_expired_conversation_reads_nothing_back_and_its_kept_blocks_are_forg
     turns._kept["abandoned"] = KeptHistory(OFFER, HISTORY, kept_at=1)
     turn = table.begin("c", now=500, continuation=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("app.turns.time.time", lambda: 500.0)
+        mp.setattr("app.decode.turns.time.time", lambda: 500.0)
         assert turns.read_back(turn, "rdv-2", HISTORY + [1]) is None
     assert not turn.reuse and turns._kept == {} and turns.report("rdv-2") is None
 
 
 def test_a_pulled_history_comes_with_decodes_sums_and_a_read_that_landed_wrong_ends_the_turn_as_kv_mismatch():
-    from app.turns import KeptHistory
+    from app.decode.turns import KeptHistory
     from connector.params import KV_SUMS_KEY, REUSE_REPORT_KEY, ReuseReport
 
     turns = _pull_turns()
@@ -340,7 +340,7 @@ def test_a_pulled_history_comes_with_decodes_sums_and_a_read_that_landed_wrong_e
     turns._kept["c"] = KeptHistory({**OFFER, KV_SUMS_KEY: {"tp": 1}}, HISTORY, kept_at=1)
     turn = table.begin("c", now=2, continuation=True)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("app.turns.time.time", lambda: 2.0)
+        mp.setattr("app.decode.turns.time.time", lambda: 2.0)
         params = turns.read_back(turn, "rdv-2", HISTORY + [1, 2])
     assert params[KV_SUMS_KEY] == {"tp": 1}  # prefill's workers check its READ against them (connector.pull_checksum)
     turns.prefill_reported("rdv-2", {REUSE_REPORT_KEY: ReuseReport("kv_mismatch").to_wire()})

@@ -1,14 +1,14 @@
-"""Deadlines sized to the request's work (app/deadlines.py): the cost model a prefill replica learns, what
+"""Deadlines sized to the request's work (app/request/deadlines.py): the cost model a prefill replica learns, what
 the decode replicas read of it, and the ladder it sizes."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.args import HandoffArgs
-from app.admission import MIN_SAMPLES
-from app.admission import Line
-from app.deadlines import WINDOW, Deadlines, PrefillCost, PublishedCosts, SoloLegs
+from app.config.args import HandoffArgs
+from app.request.deadlines import WINDOW, Deadlines, PrefillCost, PublishedCosts, SoloLegs
+from app.routing.admission import MIN_SAMPLES
+from app.routing.admission import Line
 
 
 def _learned(legs) -> Line | None:

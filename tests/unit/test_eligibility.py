@@ -1,11 +1,11 @@
-"""Which requests get a prefill leg (app.eligibility), on vLLM's own request models."""
+"""Which requests get a prefill leg (app.routing.eligibility), on vLLM's own request models."""
 
 from __future__ import annotations
 
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-from app.eligibility import _prompt_logprobs, decode_alone_reason, requested_output_tokens
+from app.routing.eligibility import _prompt_logprobs, decode_alone_reason, requested_output_tokens
 
 MODEL = "SmolLM2-135M-Instruct"
 

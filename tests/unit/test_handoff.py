@@ -1,5 +1,5 @@
 """The decode replica's handoff never hangs and never fails a request it can serve
-itself (app/handoff.py). A real Handoff over stand-ins for the engine and the prefill
+itself (app/decode/handoff.py). A real Handoff over stand-ins for the engine and the prefill
 replica; the integration tests stall a real prefill engine."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo
 
-from app.deadlines import Deadlines
-from app.late_binding import Prefilled
-from app.handoff import Handoff, HandoffFailed, Served
-from app.planner import Route
+from app.decode.handoff import Handoff, HandoffFailed, Served
+from app.request.deadlines import Deadlines
+from app.routing.late_binding import Prefilled
+from app.routing.planner import Route
 from connector.params import TransferMode
 
 
@@ -67,7 +67,7 @@ def _handoff(*, decode_after_s: float = 0.0, decode_chunks=("d1", "d2"), timeout
 
 
 def _deadlines(floor_s: float) -> Deadlines:
-    """The deadlines' floor alone: a prefill cost too small to count (app.deadlines sizes them to the work)."""
+    """The deadlines' floor alone: a prefill cost too small to count (app.request.deadlines sizes them to the work)."""
     return Deadlines(prefill_floor_s=floor_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
 
 
@@ -153,7 +153,7 @@ def test_a_failed_handoff_is_served_by_local_prefill_under_a_fresh_id():
     chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
     assert (chunks, error, served.route) == (["local"], None, Route.FALLBACK)
     assert handoff.local_requests[0].request_id not in ("rdv-1", None)
-    # Where the queue deadline asks the engine whether the request started (app.queue_deadline).
+    # Where the queue deadline asks the engine whether the request started (app.request.queue_deadline).
     assert served.fallback_request_id == handoff.local_requests[0].request_id
 
 
@@ -224,8 +224,8 @@ def test_registration_expiry(registration, now, margin, expired):
 
 
 def test_engines_get_their_modes_kv_deadline_and_recompute_on_load_failure():
-    from app.args import AppArgs
-    from app.llm_configs import kv_transfer_config
+    from app.config.args import AppArgs
+    from app.config.llm_configs import kv_transfer_config
     from connector.ports import Role
     from connector.settings import ConnectorSettings
 
@@ -239,7 +239,7 @@ def test_engines_get_their_modes_kv_deadline_and_recompute_on_load_failure():
 
 
 def test_the_engine_deadline_must_outlast_the_orchestrators():
-    from app.args import AppArgs
+    from app.config.args import AppArgs
 
     with pytest.raises(ValueError, match="must exceed prefill_timeout_s"):
         AppArgs.parse({"handoff": {"prefill_timeout_s": 60, "kv_timeout_s": 60}})
@@ -255,7 +255,7 @@ def test_the_engine_deadline_must_outlast_the_orchestrators():
     ({"ingress": {"queue_deadline_s": 40, "ttft_slo_s": 10}}, "kv_timeout_s (45) is not below"),
 ])
 def test_deadlines_that_let_the_queue_deadline_pre_empt_decodes_recompute_are_warned_of(args, warned):
-    from app.args import AppArgs
+    from app.config.args import AppArgs
 
     advice = AppArgs.parse(args).deadline_advice()
     if warned is None:
@@ -341,10 +341,10 @@ def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefil
 
 @pytest.mark.parametrize("prompt_tokens, route", [(1, Route.FALLBACK), (100, Route.REMOTE)], ids=["short", "long"])
 def test_the_prefill_deadline_is_sized_to_the_legs_work(prompt_tokens, route):
-    """app.deadlines: a 0.05 s floor, prefill at 1,000 tokens/s and a margin of 3. A leg that takes 0.15 s is past
+    """app.request.deadlines: a 0.05 s floor, prefill at 1,000 tokens/s and a margin of 3. A leg that takes 0.15 s is past
     the floor: a 1-token prompt (expected 1 ms) falls back at it; a 100-token one (expected 0.1 s, deadline 0.3 s) is
     waited for. The decode leg tells its engine the matching KV deadline (connector.push_deadline)."""
-    from app.prefill_router import with_prompt_tokens
+    from app.routing.prefill_router import with_prompt_tokens
     from connector.params import KV_DEADLINE_KEY
 
     handoff = _handoff(decode_after_s=0.15)

@@ -1,4 +1,4 @@
-"""The ingress's admission control and error bodies (app/ingress.py), on the real FastAPI
+"""The ingress's admission control and error bodies (app/ingress/server.py), on the real FastAPI
 app the ingress serves; a stand-in route plays the decode deployment."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from app.args import AppArgs, IngressArgs
-from app.ingress import ending_with_an_error_event, make_app
+from app.config.args import AppArgs, IngressArgs
+from app.ingress.server import ending_with_an_error_event, make_app
 
 
 def _app(limit: int, **kwargs):
@@ -282,7 +282,7 @@ def test_a_body_the_model_only_rejects_is_left_to_the_endpoint():
 def test_a_request_whose_decode_replica_died_before_the_first_chunk_is_retried_once(monkeypatch, failures, outcome):
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress
+    from app.ingress.server import Ingress
 
     calls = []
 
@@ -307,8 +307,8 @@ def test_a_prefilled_answer_sends_the_request_through_the_decode_router_once_mor
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress
-    from app.late_binding import Prefilled
+    from app.ingress.server import Ingress
+    from app.routing.late_binding import Prefilled
 
     prefilled = Prefilled("rdv-1", {"remote_block_ids": [1]}, "entry")
     sent = []
@@ -333,14 +333,14 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     """Ingress: a stream with no first chunk by the deadline: the decode deployment's call made for
     the request is cancelled (Serve then cancels it on the replica, which aborts its engines' legs).
     A whole answer carries the deadline to the decode replica, which answers QueueExpired if its
-    engine had not started it (app.queue_deadline): the same 503. A stream whose decode replica
+    engine had not started it (app.request.queue_deadline): the same 503. A stream whose decode replica
     moved its deadline (by the request's own work) is waited for until the moved deadline."""
     from types import SimpleNamespace
 
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress, _move_deadline
-    from app.queue_deadline import QueueDeadline, QueueDeadlinePassed, queue_deadline_of
+    from app.ingress.server import Ingress, _move_deadline
+    from app.request.queue_deadline import QueueDeadline, QueueDeadlinePassed, queue_deadline_of
 
     class Call:
         cancelled = False

@@ -20,8 +20,8 @@ import jsonschema
 import pytest
 import yaml
 
-from app.args import Accelerator, AppArgs
-from app.llm_configs import deployment_config, placement_group_config
+from app.config.args import Accelerator, AppArgs
+from app.config.llm_configs import deployment_config, placement_group_config
 from connector.ports import PortPlan, Role
 from deploy import render as render_mod
 from deploy.checks import (
@@ -669,7 +669,7 @@ def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
 
 @pytest.mark.parametrize("overlay, config", PAIRS)
 def test_worker_pods_are_ready_when_the_app_can_answer_and_the_head_keeps_kuberays_probes(overlay, config):
-    """Workers: readiness on the app's /ready (app.readiness) at the Serve port of the config.
+    """Workers: readiness on the app's /ready (app.ingress.readiness) at the Serve port of the config.
     The head: none of ours, or KubeRay would never submit the app (it waits for a ready head)."""
     manifests = rendered(overlay, config)
     port = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("port", 8000)

@@ -277,7 +277,7 @@ def test_faults_need_both_switches(tmp_path, monkeypatch):
     (tmp_path / "fault").write_text("")
     assert faults.injected_fault() is None
 
-    from app.preflight import fault_injection_refusal
+    from app.tools.preflight import fault_injection_refusal
 
     assert fault_injection_refusal({faults.FAULT_FILE_ENV: "/x"}) is not None
     assert fault_injection_refusal({faults.FAULT_FILE_ENV: "/x", faults.FAULTS_ALLOWED_ENV: "1"}) is None

@@ -12,8 +12,8 @@ from ray.llm._internal.common.callbacks.base import CallbackConfig
 from ray.llm._internal.common.utils.import_utils import load_class
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
-from app.args import Accelerator, AppArgs
-from app.llm_configs import CPU_DEFAULT_ENV, HEAD_NODE_RESOURCE, ingress_actor_options, kv_transfer_config, llm_config
+from app.config.args import Accelerator, AppArgs
+from app.config.llm_configs import CPU_DEFAULT_ENV, HEAD_NODE_RESOURCE, ingress_actor_options, kv_transfer_config, llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
 from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, TransferMode
 from connector.ports import PortPlan, Role
@@ -276,7 +276,7 @@ def test_side_channel_address_cannot_be_overridden(user_env):
         ({}, "cpu", "tcp,shm,self"),
         ({"UCX_TLS": "rc,cuda_copy"}, "cpu", "rc,cuda_copy"),
         # KV in GPU memory: no host-only default (it would fail to register the KV, or copy it through TCP);
-        # UCX picks, CUDA transports included, unless the config says (and app.args checks what it says).
+        # UCX picks, CUDA transports included, unless the config says (and app.config.args checks what it says).
         ({}, "cuda", None),
         ({"UCX_TLS": "rc,cuda_copy,cuda_ipc"}, "cuda", "rc,cuda_copy,cuda_ipc"),
     ],
@@ -341,7 +341,7 @@ def test_the_ingress_goes_to_the_head_node_unless_told_otherwise():
 )
 @pytest.mark.parametrize("role", list(Role))
 def test_node_initialization_runs_only_where_ray_would_download_the_model(source, downloads, role):
-    """app.node_init: Ray Serve LLM's per-node tasks (a vLLM import each) run only for a cloud mirror."""
+    """app.replica.node_init: Ray Serve LLM's per-node tasks (a vLLM import each) run only for a cloud mirror."""
     config = LLMConfig.model_validate(llm_config(CPU_ARGS, role, source))
     assert isinstance(config.callback_config, CallbackConfig)
     callback = load_class(config.callback_config.callback_class)(llm_config=config)

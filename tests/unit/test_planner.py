@@ -1,11 +1,11 @@
-"""What a decode replica does with one request (app.planner): table-driven, starts nothing."""
+"""What a decode replica does with one request (app.routing.planner): table-driven, starts nothing."""
 
 from __future__ import annotations
 
 import pytest
 
-from app.conversations import ATTEMPT, EXPIRED, FIRST_TURN, Turn
-from app.planner import UNREPORTED, UNSUPPORTED, Plan, PlanSettings, RequestFacts, Route, plan, turn_outcome
+from app.routing.conversations import ATTEMPT, EXPIRED, FIRST_TURN, Turn
+from app.routing.planner import UNREPORTED, UNSUPPORTED, Plan, PlanSettings, RequestFacts, Route, plan, turn_outcome
 from connector.params import ReuseReport, TransferMode
 
 PUSH = PlanSettings(TransferMode.PUSH, local_prefill_below_tokens=64, late_binding=False, upstream_history=False,
@@ -35,7 +35,7 @@ def _plan(route, salt=None, push_reuse=False, read_back=False, keep=False, hand_
         (_facts(64), PUSH, _plan(Route.REMOTE)),
         # Unknown length (no tokenizer): as if long.
         (_facts(None), PUSH, _plan(Route.REMOTE)),
-        # Only decode's engine can serve it (app.eligibility), however long.
+        # Only decode's engine can serve it (app.routing.eligibility), however long.
         (_facts(5000, alone_reason="n > 1"), PUSH, _plan(Route.LOCAL)),
         # Late binding: another replica prefilled it; it is decoded here, whatever its length.
         (_facts(10, prefilled=True), PULL_LATE, _plan(Route.REMOTE, hand_off=True)),

@@ -1,4 +1,4 @@
-"""connector.port_check and app.preflight: real sockets on this host, nothing else started."""
+"""connector.port_check and app.tools.preflight: real sockets on this host, nothing else started."""
 
 import os
 import socket
@@ -9,7 +9,7 @@ import psutil
 import pytest
 import yaml
 
-from app.preflight import busy_ports, planned_ports, refusal
+from app.tools.preflight import busy_ports, planned_ports, refusal
 from connector.port_check import PortBusy, holder, is_free, wait_until_free
 
 
@@ -92,11 +92,11 @@ def test_a_taken_port_is_refused_with_its_holder_and_the_way_out():
 
 
 def test_make_serve_refuses_before_loading_vllm():
-    """app.run checks its ports first: the refusal is the first thing it prints, in a second, not after
+    """app.tools.run checks its ports first: the refusal is the first thing it prints, in a second, not after
     16 s of importing vLLM (whose import prints on stderr before it, as vLLM 0.32's Triton notice did)."""
     import subprocess
     import sys
 
-    code = "import sys, app.run; print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))"
+    code = "import sys, app.tools.run; print(sorted(m for m in ('vllm', 'torch', 'ray') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]" and not out.stderr, out

@@ -1,4 +1,4 @@
-"""The prefill deployment's router (app/prefill_router.py): prefill legs go where the
+"""The prefill deployment's router (app/routing/prefill_router.py): prefill legs go where the
 fewest prompt tokens wait, counting the legs this router sent until they complete."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
-from app.routing import RoutingPolicy
+from app.routing.pipeline import RoutingPolicy
+from app.routing.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
 
 
 def _router(policy: dict | None = None) -> LoadAwarePrefillRouter:
@@ -78,7 +78,7 @@ def test_the_prompt_length_travels_with_the_request_and_its_copies():
 
 
 def test_the_default_prefill_policy_weighs_tokens_over_requests():
-    from app.args import RoutingArgs
+    from app.config.args import RoutingArgs
 
     policy = RoutingArgs().prefill_policy
     assert isinstance(policy, RoutingPolicy)
@@ -89,9 +89,9 @@ def test_the_default_prefill_policy_weighs_tokens_over_requests():
 def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_it_again():
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
 
-    from app.servers import PrefillServer
+    from app.prefill.server import PrefillServer
 
-    from app.deadlines import SoloLegs
+    from app.request.deadlines import SoloLegs
 
     server = PrefillServer.__new__(PrefillServer)
     server._tokenizer = None  # a leg that says nothing would count 0
@@ -112,16 +112,16 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
 
 def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from_a_router_pickled_by_value():
     """Serve pickles the router's module by value (ray.serve.config: register_pickle_by_value): in the replica the
-    router's functions get their own globals, so module-level state of app.prefill_router would be a copy. The
-    pick must land where app.servers reads it (app.timeline, imported by reference)."""
+    router's functions get their own globals, so module-level state of app.routing.prefill_router would be a copy. The
+    pick must land where app.decode.server reads it (app.request.timeline, imported by reference)."""
     from ray import cloudpickle
 
-    import app.prefill_router as module
-    from app.admission import Line
-    from app.args import HandoffArgs
-    from app.deadlines import Deadlines
-    from app.routing import PublishedLoad
-    from app.timeline import prefill_picked_at
+    import app.routing.prefill_router as module
+    from app.routing.admission import Line
+    from app.config.args import HandoffArgs
+    from app.request.deadlines import Deadlines
+    from app.routing.pipeline import PublishedLoad
+    from app.request.timeline import prefill_picked_at
 
     cloudpickle.register_pickle_by_value(module)
     try:

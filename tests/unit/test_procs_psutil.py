@@ -1,5 +1,5 @@
-"""app.procs through psutil: ending processes, engines under a replica, CPU seconds and the
-``python -m app.procs`` command, on processes these tests start (no app, no Ray)."""
+"""app.tools.procs through psutil: ending processes, engines under a replica, CPU seconds and the
+``python -m app.tools.procs`` command, on processes these tests start (no app, no Ray)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import uuid
 import psutil
 import pytest
 
-from app.procs import MARKER, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env, running
+from app.tools.procs import MARKER, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env, running
 
 PYTHON = sys.executable
 
@@ -170,7 +170,7 @@ def test_the_command_ends_only_the_given_runs_processes(started):
     ours = started(["sleep", "30"], env=env)
     other = started(["sleep", "30"], env=new_run_env())
     out = subprocess.run(
-        [PYTHON, "-m", "app.procs", "--kill", "--run-id", env[MARKER]], env=env, capture_output=True, text=True, timeout=60,
+        [PYTHON, "-m", "app.tools.procs", "--kill", "--run-id", env[MARKER]], env=env, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [f"1 process(es): [{ours.pid}]", "all ended"]

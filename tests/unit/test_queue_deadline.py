@@ -1,4 +1,4 @@
-"""The queue deadline on the decode replica (app.queue_deadline): enforced there for whole answers, sent
+"""The queue deadline on the decode replica (app.request.queue_deadline): enforced there for whole answers, sent
 to the ingress for streams; both read again while the request waits."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import app.queue_deadline as queue_deadline
-from app.queue_deadline import (
+import app.request.queue_deadline as queue_deadline
+from app.request.queue_deadline import (
     QueueDeadlineMoved,
     QueueDeadlinePassed,
     QueueExpired,
@@ -69,7 +69,7 @@ def test_a_whole_answer_not_started_by_its_deadline_is_cancelled(delay_s, starte
 
 def test_a_deadline_that_moves_while_the_request_waits_is_kept_where_it_moved(monkeypatch):
     """Its work's estimate changed (a decode replica's first prefill pick brings the published prefill cost,
-    app.deadlines): a whole answer is given up on at the new deadline; a stream's ingress is told again."""
+    app.request.deadlines): a whole answer is given up on at the new deadline; a stream's ingress is told again."""
     monkeypatch.setattr(queue_deadline, "RECHECK_S", 0.02)
     monkeypatch.setattr(queue_deadline, "MOVED_BY_S", 0.5)
     start = time.time()
@@ -149,7 +149,7 @@ def test_the_deadline_travels_on_a_request_to_the_decode_replica():
 def test_the_ingress_turns_a_replicas_queue_expired_into_its_503(monkeypatch):
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
-    from app.ingress import Ingress
+    from app.ingress.server import Ingress
 
     async def upstream(self, *, body, call_method, raw_request=None):
         yield QueueExpired("rdv-1")

@@ -1,5 +1,5 @@
-"""app.readiness: when the app can answer (a table), how Serve's replica states are read,
-and what /ready and generation requests get on the real ingress app (app.ingress)."""
+"""app.ingress.readiness: when the app can answer (a table), how Serve's replica states are read,
+and what /ready and generation requests get on the real ingress app (app.ingress.server)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import asyncio
 import httpx
 import pytest
 
-from app.args import IngressArgs
-from app.ingress import make_app
-from app.readiness import (
+from app.config.args import IngressArgs
+from app.ingress.readiness import (
     REFRESH_S,
     RETRY_AFTER_S,
     Deployment,
@@ -20,6 +19,7 @@ from app.readiness import (
     replicas_by_role,
     start_failure,
 )
+from app.ingress.server import make_app
 
 UP, DOWN, TWO = Replicas(1, 1), Replicas(0, 1), Replicas(1, 2)
 
@@ -177,7 +177,7 @@ def test_ready_needs_no_api_key(monkeypatch):
 
 
 def test_make_serve_watches_the_configs_own_address(tmp_path):
-    from app.run import _base_url
+    from app.tools.run import _base_url
 
     config = tmp_path / "c.yaml"
     config.write_text("http_options:\n  host: 127.0.0.2\n  port: 8123\napplications: []\n")
@@ -199,7 +199,7 @@ def test_only_our_readiness_route_counts_as_an_answer(status, body, expected):
     import http.server
     import threading
 
-    from app.procs import read_readiness
+    from app.tools.procs import read_readiness
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from app.args import reference_markdown
+from app.config.args import reference_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
@@ -20,7 +20,7 @@ def test_config_reference_matches_the_models():
     assert START in text and END in text, f"README.md must contain {START} and {END}"
     embedded = text.split(START, 1)[1].split(END, 1)[0].strip("\n")
     assert embedded == reference_markdown().strip("\n"), (
-        "README.md's configuration reference is out of date: run `python -m app.args` and paste its output "
+        "README.md's configuration reference is out of date: run `python -m app.config.args` and paste its output "
         f"between {START} and {END}"
     )
 

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from app.decode_router import snapshot_from_stats
-from app.routing import ReplicaSnapshot as R
-from app.routing import RouteRequest, RoutingPolicy, pick
+from app.routing.decode_router import snapshot_from_stats
+from app.routing.pipeline import ReplicaSnapshot as R
+from app.routing.pipeline import RouteRequest, RoutingPolicy, pick
 
 DEFAULT = RoutingPolicy()
 FRESH = 1.0
@@ -99,7 +99,7 @@ def test_requests_this_router_sent_count_before_the_published_stats_catch_up():
 
 
 def test_router_counts_what_it_sent_until_each_request_completes():
-    from app.decode_router import LoadAwareDecodeRouter
+    from app.routing.decode_router import LoadAwareDecodeRouter
 
     router = LoadAwareDecodeRouter.__new__(LoadAwareDecodeRouter)
     router._use_replica_queue_len_cache = False  # Serve's own cache is not under test here
@@ -117,7 +117,7 @@ def test_round_robin_takes_replicas_in_turn_whatever_their_load():
     import asyncio
     from types import SimpleNamespace
 
-    from app.decode_router import RoundRobinDecodeRouter
+    from app.routing.decode_router import RoundRobinDecodeRouter
 
     router = RoundRobinDecodeRouter.__new__(RoundRobinDecodeRouter)
     router.initialize_state(policy={"ignored": True})
@@ -133,16 +133,16 @@ def test_the_routers_metrics_use_no_tag_serve_reserves():
     at the first count) when a metric declares one."""
     from ray.serve import metrics as serve_metrics
 
-    from app.decode_router import _picks
+    from app.routing.decode_router import _picks
 
     reserved = {serve_metrics.DEPLOYMENT_TAG, serve_metrics.REPLICA_TAG, serve_metrics.APPLICATION_TAG, serve_metrics.ROUTE_TAG}
     assert not set(_picks()._tag_keys) & reserved
 
 
 def test_published_load_crosses_the_wire_and_tolerates_what_it_does_not_know():
-    from app.routing import STATS_KEY, PublishedLoad
+    from app.routing.pipeline import STATS_KEY, PublishedLoad
 
-    from app.admission import Line
+    from app.routing.admission import Line
 
     load = PublishedLoad(3, 1200, 99.0, kv_capacity_tokens=4096, conversations=("a", "b"))
     assert PublishedLoad.read(load.publish_into({"serve": "own"})) == load

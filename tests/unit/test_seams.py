@@ -27,10 +27,8 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorB
 from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
 
-import connector.ray_backend as ray_backend
-from connector.upgrade_check import assigned_on_self
-from app.args import AppArgs
-from app.llm_configs import llm_config
+from app.config.args import AppArgs
+from app.config.llm_configs import llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
 from connector.params import (
     CONNECTOR_CLASS,
@@ -41,7 +39,9 @@ from connector.params import (
     push_prefill_params,
 )
 from connector.ports import Role
+import connector.ray_backend as ray_backend
 from connector.ray_backend import BACKENDS, NixlPullBackend, NixlPushBackend, register_backends
+from connector.upgrade_check import assigned_on_self
 
 VLLM_DIR = Path(vllm.__file__).parent
 PEER = PeerIdentity(engine_id="prefill-r0-10.0.0.5-20000-abc123", host="10.0.0.5", port=20000, tp_size=2, pp_size=1)
@@ -151,7 +151,7 @@ def test_pd_servers():
 
 
 def test_the_ingress_streams_through_the_method_we_wrap():
-    """``app.ingress.Ingress`` wraps the StreamingResponse that upstream's
+    """``app.ingress.server.Ingress`` wraps the StreamingResponse that upstream's
     ``_process_llm_request`` returns, and every generation endpoint goes through it."""
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
@@ -176,7 +176,7 @@ def test_the_ingress_calls_the_decode_deployment_through_the_method_we_extend():
 
 
 def test_the_ingress_calls_the_decode_deployment_on_the_handle_we_wrap():
-    """The queue deadline (app.ingress) wraps the handle ``_get_configured_serve_handle`` returns;
+    """The queue deadline (app.ingress.server) wraps the handle ``_get_configured_serve_handle`` returns;
     upstream calls ``options(...)`` on it and then ``<method>.remote(...)``, and a handle call's
     response can be cancelled."""
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
@@ -233,9 +233,9 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = 
                    conversations=None, timeout_s: float = 30.0):
     """A DecodeServer without an engine (Ray's __init__ would start one), set up by its own
     ``_setup``; Ray's push orchestration is a stand-in that records what it was given."""
-    from app.deadlines import Deadlines
-    from app.planner import PlanSettings
-    from app.servers import DecodeServer
+    from app.request.deadlines import Deadlines
+    from app.routing.planner import PlanSettings
+    from app.decode.server import DecodeServer
     from connector.params import TransferMode
 
     server = DecodeServer.__new__(DecodeServer)
@@ -266,7 +266,7 @@ def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = 
 def _drain(server, method, *args, timelines=None):
     """The chunks a request yields, as the ingress passes them on: without the request's
     timeline (appended to ``timelines`` if given)."""
-    from app.timeline import RequestTimeline
+    from app.request.timeline import RequestTimeline
 
     async def go():
         return [chunk async for chunk in await getattr(server, method)(*args)]
@@ -278,7 +278,8 @@ def _drain(server, method, *args, timelines=None):
 
 
 def test_decode_server_gives_each_request_a_fresh_transfer_id():
-    from app.servers import DecodeServer, PrefillServer
+    from app.decode.server import DecodeServer
+    from app.prefill.server import PrefillServer
 
     assert issubclass(DecodeServer, PDDecodeServer) and issubclass(PrefillServer, PDPrefillServer)
     server = _decode_server()
@@ -588,7 +589,7 @@ def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
     from transformers import AutoTokenizer
 
     from app.model_source import resolve_model_source
-    from app.servers import DecodeServer
+    from app.decode.server import DecodeServer
 
     server = DecodeServer.__new__(DecodeServer)
     server._tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("embedded"))
@@ -606,13 +607,13 @@ def test_without_a_tokenizer_every_request_is_disaggregated():
     assert server.paths == ["remote"]
 
 
-# --------------------------------------------------------------------------- handoff deadline (app/handoff.py)
+# --------------------------------------------------------------------------- handoff deadline (app/decode/handoff.py)
 
 
 def test_ray_calls_the_concurrent_decode_we_override():
     from ray.llm._internal.serve.serving_patterns.prefill_decode import pd_server
 
-    from app.servers import DecodeServer
+    from app.decode.server import DecodeServer
 
     ours = inspect.signature(DecodeServer._concurrent_decode)
     theirs = inspect.signature(pd_server.PDOrchestratorMixin._concurrent_decode)
@@ -623,7 +624,7 @@ def test_ray_calls_the_concurrent_decode_we_override():
 
 
 def test_serve_hands_a_router_every_change_of_the_published_stats():
-    """app.prefill_router overrides update_replicas to read the prefill cost the replicas publish: Serve must call it
+    """app.routing.prefill_router overrides update_replicas to read the prefill cost the replicas publish: Serve must call it
     with each replica's latest routing stats, and broadcast a change of the stats alone (it is in the replica's hash)."""
     from ray.serve._private import common
     from ray.serve._private.request_router import replica_wrapper, request_router
@@ -732,7 +733,7 @@ def test_vllm_engine_loop_internals_the_idle_wait_relies_on():
 
 
 def test_vllm_pull_read_back_internals_we_rely_on():
-    """conversations.pull_history: upstream (app.servers, connector.pull_history)."""
+    """conversations.pull_history: upstream (app.decode.server, connector.pull_history)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker, connector, pull_scheduler
     from vllm.entrypoints.openai.chat_completion import serving as chat_serving
 
@@ -822,7 +823,7 @@ from importlib import metadata  # noqa: E402
 from connector import seams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-SOURCE_FILES = sorted(str(p.relative_to(REPO)) for package in ("app", "connector") for p in (REPO / package).glob("*.py"))
+SOURCE_FILES = sorted(str(p.relative_to(REPO)) for package in ("app", "connector") for p in (REPO / package).rglob("*.py"))
 UPSTREAM_PACKAGES = ("vllm", "ray", "starlette")
 PRIVATE_NAME = re.compile(r"_[a-z]\w*")
 PRIVATE_MODULE = re.compile(r"(ray\.llm\._internal|ray\.serve\._private|vllm)\.[\w.]+")
@@ -1153,7 +1154,7 @@ def test_pyproject_pins_what_the_seams_were_read_against():
 
 
 def test_ray_node_initialization_downloads_nothing_without_a_mirror():
-    """app.node_init skips Ray Serve LLM's per-node task where it would be a no-op: Ray's download
+    """app.replica.node_init skips Ray Serve LLM's per-node task where it would be a no-op: Ray's download
     returns a local path or hub id as it is, without a mirror config."""
     from ray.llm._internal.common.utils.download_utils import download_model_files
 

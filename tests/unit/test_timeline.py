@@ -1,4 +1,4 @@
-"""Per-request timelines (app.timeline): stages from stamps, the decode replica's part of
+"""Per-request timelines (app.request.timeline): stages from stamps, the decode replica's part of
 the stream, the ingress completing them, and the prefill engine's own stamps."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
 
-from app.timeline import LOG_MARKER, STAGES, RequestTimeline
+from app.request.timeline import LOG_MARKER, STAGES, RequestTimeline
 from connector.params import STAGES_KEY
 
 REMOTE = {
@@ -142,7 +142,7 @@ def test_no_timeline_before_an_error_the_ingress_turns_into_a_status():
 
 
 def test_the_ingress_completes_and_records_a_timeline_before_yielding_a_whole_response(monkeypatch):
-    import app.ingress as ingress
+    import app.ingress.server as ingress
 
     recorded = []
     monkeypatch.setattr(ingress, "record_timeline", recorded.append)
@@ -165,7 +165,7 @@ def test_the_ingress_completes_and_records_a_timeline_before_yielding_a_whole_re
     assert recorded == [timeline]
     assert timeline.stamps["arrived"] == 10.0 and timeline.stamps["first_chunk"] >= 11.0
     assert set(timeline.stages()) == {"route", "deliver", "ttft"}  # no prefill stamps came
-    # What admission learns a whole answer's TTFT and TPOT from (app.admission).
+    # What admission learns a whole answer's TTFT and TPOT from (app.routing.admission).
     assert (state.rendezvous_first_token, state.rendezvous_output_tokens) == (11.0, 7)
 
 
@@ -359,8 +359,8 @@ def test_the_decode_router_stamps_its_pick_on_the_request_it_sends():
 
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-    from app.decode_router import _stamp_pick
-    from app.timeline import decode_picked_of
+    from app.routing.decode_router import _stamp_pick
+    from app.request.timeline import decode_picked_of
 
     for request in (CompletionRequest(model="m", prompt="hi"), ChatCompletionRequest(model="m", messages=[])):
         assert decode_picked_of(request) is None

@@ -241,8 +241,8 @@ def vllm_env():
 def _vllm_config(mode: str, role):
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
 
-    from app.args import AppArgs
-    from app.llm_configs import kv_transfer_config
+    from app.config.args import AppArgs
+    from app.config.llm_configs import kv_transfer_config
     from app.model_source import ensure_embedded_model
 
     model = ModelConfig(model=str(ensure_embedded_model()), dtype="float32", seed=0, max_model_len=4 * BLOCK)

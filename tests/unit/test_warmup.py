@@ -1,11 +1,11 @@
-"""app.warmup: what the warm-up asks of an engine, and that a failing or hung engine fails the start."""
+"""app.replica.warmup: what the warm-up asks of an engine, and that a failing or hung engine fails the start."""
 
 import asyncio
 
 import pytest
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 
-from app.warmup import OUTPUT_TOKENS, SAMPLING, warm_up, warm_up_requests
+from app.replica.warmup import OUTPUT_TOKENS, SAMPLING, warm_up, warm_up_requests
 
 
 def _engine(*chunks, hang=False):

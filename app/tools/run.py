@@ -1,7 +1,7 @@
 """``make serve``: run ``serve run CONFIG`` in the foreground, say when the app can answer
 (and how far it got until then), and, however it ends (Ctrl-C, SIGTERM, crash), end every
 process it started before returning. If a port the config needs is taken on this host
-(another app running), refuse at once, naming the holder (``app.preflight``)."""
+(another app running), refuse at once, naming the holder (``app.tools.preflight``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from app.preflight import busy_ports, fault_injection_refusal, refusal
-from app.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
-from app.readiness import GAVE_UP_TEXT
+from app.ingress.readiness import GAVE_UP_TEXT
+from app.tools.preflight import busy_ports, fault_injection_refusal, refusal
+from app.tools.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
 
 _STOP_GRACE_S = 90
 
@@ -85,7 +85,7 @@ def _base_url(config: str) -> str:
 
 def _say_when_ready(config: str, child: subprocess.Popen, gave_up: list[str], period_s: float = 3.0) -> None:
     """One line per change of the app's readiness while it starts, then one line once it
-    can answer (``app.readiness``): what to wait for, instead of reading Ray's logs. Why
+    can answer (``app.ingress.readiness``): what to wait for, instead of reading Ray's logs. Why
     replicas fail to start, as soon as Serve says; once Serve gives up on them, the app
     cannot start: say so, note it in ``gave_up`` and stop ``child``."""
     base = _base_url(config)

@@ -20,8 +20,8 @@ from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.planner import Route
-from app.request_fields import float_field, set_float_field
+from app.request.fields import float_field, set_float_field
+from app.routing.planner import Route
 from connector.stages import DecodeKvStamps, KvFailure, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
@@ -58,7 +58,7 @@ def decode_picked_of(request: Any) -> float | None:
 
 
 # Request id -> (when the prefill router picked its prefill replica, the prompt tokens already in flight there),
-# until the decode replica reads it (same process). Here, not in app.prefill_router: Serve pickles a request
+# until the decode replica reads it (same process). Here, not in app.routing.prefill_router: Serve pickles a request
 # router's module *by value*, so the router's module-level state would be a copy; this module is imported by
 # reference from both sides.
 _PREFILL_PICKS: OrderedDict[str, tuple[float, int]] = OrderedDict()
@@ -119,7 +119,7 @@ class RequestTimeline:
 
     request_id: str
     mode: str  # push | pull
-    route: str  # app.planner.Route: remote | local | fallback
+    route: str  # app.routing.planner.Route: remote | local | fallback
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
     kv_failure: str | None = None  # connector.stages.KvFailure: the KV never landed, decode recomputed the prompt

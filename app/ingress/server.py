@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP ingress: Ray Serve LLM's, plus health and readiness routes
-(``app.readiness``: a quick 503 for generation requests while the app cannot answer), OpenAI-shaped
+(``app.ingress.readiness``: a quick 503 for generation requests while the app cannot answer), OpenAI-shaped
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control
-(``app.admission``: by expected time to first byte against ``ingress.ttft_slo_s``, under a hard
+(``app.routing.admission``: by expected time to first byte against ``ingress.ttft_slo_s``, under a hard
 ``max_in_flight``; a quick 429 with ``Retry-After`` instead of a queue that grows without bound),
-a queue deadline (503 and aborted on every engine; ``app.queue_deadline``), a request size limit (413), late binding of the decode replica in pull mode
-(``app.late_binding``), one retry of a request whose decode replica died before its
+a queue deadline (503 and aborted on every engine; ``app.request.queue_deadline``), a request size limit (413), late binding of the decode replica in pull mode
+(``app.routing.late_binding``), one retry of a request whose decode replica died before its
 first chunk, an error event (not a cut connection) ending a stream that failed after it
 started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
 authentication (401) on everything but ``/health``.
@@ -34,12 +34,11 @@ from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, Open
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
-from app import ingress_metrics as metrics
-from app.admission import Admission, Decision, Verdict
-from app.args import IngressArgs
-from app.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
-from app.late_binding import Prefilled
-from app.queue_deadline import (
+from app.config.args import IngressArgs
+from app.ingress import metrics
+from app.ingress.readiness import RETRY_AFTER_S, ReadinessProbe
+from app.request.fields import DEFAULT_OUTPUT_BUDGET
+from app.request.queue_deadline import (
     RECHECK_S,
     QueueDeadline,
     QueueDeadlineMoved,
@@ -47,11 +46,12 @@ from app.queue_deadline import (
     QueueExpired,
     mark_queue_deadline,
 )
-from app.readiness import RETRY_AFTER_S, ReadinessProbe
-from app.request_fields import DEFAULT_OUTPUT_BUDGET
-from app.timeline import ARRIVED, FIRST_CHUNK, FIRST_TOKEN, RequestTimeline
+from app.request.timeline import ARRIVED, FIRST_CHUNK, FIRST_TOKEN, RequestTimeline
+from app.routing.admission import Admission, Decision, Verdict
+from app.routing.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
+from app.routing.late_binding import Prefilled
 
-logger = logging.getLogger("ray.serve.rendezvous.ingress")  # under ray.serve: its handlers write the replica logs
+logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -134,7 +134,7 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             metrics.rejected().inc(tags={"reason": decision.verdict.value})
             return openai_error(429, _busy_message(decision, admission), headers={"Retry-After": str(decision.retry_after_s)})
         metrics.admitted().inc(tags={"reason": decision.verdict.value})
-        request.state.rendezvous_arrived = arrived  # the request's timeline starts here (app.timeline)
+        request.state.rendezvous_arrived = arrived  # the request's timeline starts here (app.request.timeline)
         if args.queue_deadline_s is not None:
             request.state.rendezvous_deadline = QueueDeadline(arrived + args.queue_deadline_s, args.queue_deadline_s,
                                                               args.retry_after_s)
@@ -335,7 +335,7 @@ class Ingress(OpenAiIngress):
         deadline = getattr(getattr(raw_request, "state", None), "rendezvous_deadline", None)
         if deadline is None:
             return await self._answer(body, call_method, raw_request)
-        # The decode replica adds the request's own work to it (app.queue_deadline).
+        # The decode replica adds the request's own work to it (app.request.queue_deadline).
         mark_queue_deadline(body, deadline.at)
         if not getattr(body, "stream", False):
             # A whole answer comes at its end: the decode replica, which can ask its engine, tells

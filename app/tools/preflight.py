@@ -4,7 +4,7 @@ Without it a second start on the same host split requests with the first (both S
 proxies bound the HTTP port, Ray's with SO_REUSEPORT) while its engines died in their
 NIXL listener threads and its replicas stayed "initializing" with nothing said. The ports
 come from the config (one home: ``http_options`` and ``connector.ports.PortPlan`` through
-``app.args``); who holds a busy one from ``connector.port_check``.
+``app.config.args``); who holds a busy one from ``connector.port_check``.
 
 Also: KV fault injection (``connector.kv_checksum``) set outside a test or bench run refuses.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlsplit
 
-from app.args import AppArgs
-from app.procs import base_url_of
+from app.config.args import AppArgs
+from app.tools.procs import base_url_of
 from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from connector.port_check import holder, is_free
 from connector.ports import Role

@@ -3,7 +3,7 @@
 A :class:`Handoff` is built by ``DecodeServer`` from what it needs (decode's own engine,
 the prefill deployment, the connector backend, Ray's push orchestration) so that tests
 build a real one from stand-ins. It never hangs and never fails a request decode can
-serve itself: the prefill leg has a deadline sized to its work (``app.deadlines``: its prompt and
+serve itself: the prefill leg has a deadline sized to its work (``app.request.deadlines``: its prompt and
 the work queued ahead of it on its prefill replica, at the prefill cost this replica measured), and
 the pick of a prefill replica before it has the deadline's floor (push: Ray's orchestration waits in
 that pick for as long as no prefill replica is routable, e.g. while a lost prefill node's replica is
@@ -24,11 +24,11 @@ from typing import Any
 
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 
-from app.deadlines import Deadlines
-from app.late_binding import Prefilled
-from app.planner import Route
-from app.prefill_router import said_prompt_tokens
-from app.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline, prefill_tokens_ahead
+from app.request.deadlines import Deadlines
+from app.request.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline, prefill_tokens_ahead
+from app.routing.late_binding import Prefilled
+from app.routing.planner import Route
+from app.routing.prefill_router import said_prompt_tokens
 from connector.params import (
     KEEP_HISTORY_KEY,
     KV_DEADLINE_KEY,
@@ -38,7 +38,7 @@ from connector.params import (
     new_transfer_request_id,
 )
 
-logger = logging.getLogger("ray.serve.rendezvous.handoff")
+logger = logging.getLogger("ray.serve." + __name__)
 
 # Decode's own engine: (endpoint, request, raw request info) -> its response chunks.
 Engine = Callable[[str, Any, Any], Awaitable[AsyncIterator]]
@@ -136,7 +136,7 @@ class Handoff:
 
     def prefill_deadline_s(self, request_id: str) -> float:
         """The prefill leg's deadline from dispatch: its work and, once its prefill replica is
-        picked, the work queued ahead of it there (``app.deadlines``)."""
+        picked, the work queued ahead of it there (``app.request.deadlines``)."""
         tokens = self._work.get(request_id, 0)
         return self.deadlines.prefill_s(tokens, prefill_tokens_ahead(request_id) or 0)
 
@@ -231,7 +231,7 @@ class Handoff:
     async def concurrent_decode(self, method, decode_request, prefill_resp, raw_request_info):
         """Push: decode waits for KV that only the prefill leg can produce. Ray's version
         (``PDOrchestratorMixin._concurrent_decode``) waits for it without a deadline; this
-        one gives the prefill leg its deadline (``app.deadlines``) and raises
+        one gives the prefill leg its deadline (``app.request.deadlines``) and raises
         :class:`HandoffFailed` if it fails or times out before decode's first chunk; decode's
         engine gets the matching KV deadline with the leg. Once decode produced a chunk its
         KV has arrived, and a later prefill failure is moot."""

@@ -2,7 +2,7 @@
 
 Parsed once, at build time, into these models; unknown keys are rejected. Every default
 lives here. ``README.md`` carries a reference generated from these models
-(``python -m app.args`` prints it; a unit test keeps the two equal).
+(``python -m app.config.args`` prints it; a unit test keeps the two equal).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from app.routing import RoutingPolicy
+from app.routing.pipeline import RoutingPolicy
 from connector.engine_env import ucx_tls_problem
 from connector.params import BIDIRECTIONAL_KEY, DECODER_BLOCKS_TTL_KEY, RECOMPUTE_THRESHOLD_KEY, WRITE_MARGIN_S, TransferMode
 from connector.ports import PortPlan, Role
@@ -162,15 +162,15 @@ class IngressArgs(_Strict):
     )
     ttft_slo_s: float | None = Field(
         30.0, gt=0, description="Time to first byte (a stream's first token, a whole answer otherwise) the ingress "
-        "admits by: a request whose estimated TTFB (app/admission.py: learned from this replica's recent answers and "
+        "admits by: a request whose estimated TTFB (app/routing/admission.py: learned from this replica's recent answers and "
         "the work admitted ahead) is beyond it gets 429 with a Retry-After from the estimate. null: max_in_flight alone. "
         "Set it to your SLO; 30 s is a common client timeout."
     )
     queue_deadline_s: float | None = Field(
         60.0, gt=0, description="How long an admitted request may wait: one whose first token is not out this long "
         "after admission, plus the time its own prompt takes to compute (handoff.deadline_margin + 1 times its "
-        "expected prefill, app/deadlines.py), is answered 503 with Retry-After and aborted on every engine (streams: no "
-        "first chunk at the ingress; whole answers: the decode replica asks its engine, app/queue_deadline.py). A "
+        "expected prefill, app/request/deadlines.py), is answered 503 with Retry-After and aborted on every engine (streams: no "
+        "first chunk at the ingress; whole answers: the decode replica asks its engine, app/request/queue_deadline.py). A "
         "request that started runs to its end. null: no deadline."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After of a 429 without an estimate, and of a 503 at the queue deadline.")
@@ -211,15 +211,15 @@ def _prefill_policy() -> RoutingPolicy:
 
 class RoutingArgs(_Strict):
     decode_policy: RoutingPolicy = Field(
-        default_factory=RoutingPolicy, description="How the decode replica is picked on arrival (app/routing.py)."
+        default_factory=RoutingPolicy, description="How the decode replica is picked on arrival (app/routing/pipeline.py)."
     )
     decode_router: DecodeRouter = Field(
-        DecodeRouter.LOAD_AWARE, description="load_aware: decode_policy's pipeline (app/decode_router.py). "
+        DecodeRouter.LOAD_AWARE, description="load_aware: decode_policy's pipeline (app/routing/decode_router.py). "
         "round_robin: each request to the next replica, blind to load and conversations: the baseline of `bench skew`."
     )
     prefill_policy: RoutingPolicy = Field(
         default_factory=_prefill_policy, description="How a prefill replica is picked for a prefill leg "
-        "(app/prefill_router.py): by default the fewest prompt tokens outstanding, requests as a tie-breaker."
+        "(app/routing/prefill_router.py): by default the fewest prompt tokens outstanding, requests as a tie-breaker."
     )
     local_prefill_below_tokens: int = Field(
         0, ge=0, description="Prompts whose part to compute is shorter than this are prefilled by the decode engine "
@@ -236,7 +236,7 @@ class RoutingArgs(_Strict):
 
 
 class HandoffArgs(_Strict):
-    """Each deadline of the fallback ladder is sized to the request's own work (app/deadlines.py): its prompt, and
+    """Each deadline of the fallback ladder is sized to the request's own work (app/request/deadlines.py): its prompt, and
     the prompt tokens queued ahead of it on its prefill replica, at the prefill cost the decode replica measured,
     times ``deadline_margin``; the ``*_timeout_s`` settings are their floors."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-logger = logging.getLogger("ray.serve.rendezvous.prompts")
+logger = logging.getLogger("ray.serve." + __name__)
 
 
 def prompt_token_ids(tokenizer, request) -> list[int] | None:

@@ -15,11 +15,11 @@ less than the configured floor:
 
 ``prefill_s`` is :class:`PrefillCost`, learned where the prompt is computed: each prefill replica
 fits its own engine's compute times (the legs' stage stamps, ``connector.stages``) as a line
-``base + s_per_token * n`` with admission's least squares (``app.admission.fit``: an intercept for each
+``base + s_per_token * n`` with admission's least squares (``app.routing.admission.fit``: an intercept for each
 step's overhead, proportional where the lengths are too alike for a slope, or while fewer legs than
 the fit needs were measured), from the legs it computed
 alone (it knows: it counts its own legs; a leg batched with others would make every token look as
-dear as the whole batch), and publishes the line with its load (``app.routing.PublishedLoad``). The
+dear as the whole batch), and publishes the line with its load (``app.routing.pipeline.PublishedLoad``). The
 prefill router of each decode replica keeps what the current prefill replicas published
 (:data:`PUBLISHED`, at every change Serve hands it), and the decode replica's deadlines read it, again
 while a request waits: every decode replica knows the cost from the legs of all of them, a request
@@ -37,8 +37,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from app.admission import Line, fit
-from app.args import HandoffArgs
+from app.config.args import HandoffArgs
+from app.routing.admission import Line, fit
 
 WINDOW = 16  # prefill legs the cost remembers: recent enough to follow a box that slowed down
 
@@ -108,7 +108,7 @@ class PublishedCosts:
                     for line, fitted in self._lines.values()), default=None)
 
 
-# One per process: the prefill router (``app.prefill_router``) writes it, the decode replica's deadlines read it.
+# One per process: the prefill router (``app.routing.prefill_router``) writes it, the decode replica's deadlines read it.
 PUBLISHED = PublishedCosts()
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.args import Accelerator, AppArgs, DecodeRouter, IngressArgs
+from app.config.args import Accelerator, AppArgs, DecodeRouter, IngressArgs
+from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.params import (
     BIDIRECTIONAL_KEY,
     CONNECTOR_CLASS,
@@ -18,17 +19,16 @@ from connector.params import (
     TransferMode,
 )
 from connector.ports import Role
-from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.settings import ConnectorSettings
 
 # Serve request routers (they import Ray, so named, not imported).
 DECODE_ROUTERS = {
-    DecodeRouter.LOAD_AWARE: "app.decode_router.LoadAwareDecodeRouter",
-    DecodeRouter.ROUND_ROBIN: "app.decode_router.RoundRobinDecodeRouter",
+    DecodeRouter.LOAD_AWARE: "app.routing.decode_router.LoadAwareDecodeRouter",
+    DecodeRouter.ROUND_ROBIN: "app.routing.decode_router.RoundRobinDecodeRouter",
 }
-PREFILL_ROUTER = "app.prefill_router.LoadAwarePrefillRouter"
+PREFILL_ROUTER = "app.routing.prefill_router.LoadAwarePrefillRouter"
 # Ray Serve LLM's node initialization, skipped when it would download nothing (it imports Ray).
-NODE_INIT_CALLBACK = "app.node_init.SkipIdleNodeInit"
+NODE_INIT_CALLBACK = "app.replica.node_init.SkipIdleNodeInit"
 
 CPU_DEFAULT_ENV = {
     # vLLM on CPU otherwise reserves 92 % of *system* RAM for KV, so a second engine on
@@ -156,7 +156,7 @@ def llm_config(args: AppArgs, role: Role, model_source: str) -> dict[str, Any]:
     role_args = args.role(role)
     engine_kwargs = {**args.engine_kwargs_for(role), "kv_transfer_config": kv_transfer_config(args, role)}
     if role is Role.DECODE and args.conversations.enabled:
-        engine_kwargs["enable_prefix_caching"] = True  # where conversations are retained (app.conversations)
+        engine_kwargs["enable_prefix_caching"] = True  # where conversations are retained (app.routing.conversations)
     hardware: dict[str, Any] = {"placement_group_config": placement_group_config(args, role)}
     if args.accelerator is Accelerator.CPU:
         hardware = {"accelerator_config": {"kind": "cpu"}, **hardware}

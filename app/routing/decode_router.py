@@ -2,7 +2,7 @@
 
 In push mode the decode replica must be chosen the moment a request arrives, before
 anything is known about how the prefill will go, so it should be the replica with the
-most room now. This router turns each candidate into an ``app.routing.ReplicaSnapshot``
+most room now. This router turns each candidate into an ``app.routing.pipeline.ReplicaSnapshot``
 from two sources and runs the configured pipeline:
 
 * the requests this router itself sent to each replica and that have not completed —
@@ -34,11 +34,11 @@ from typing import Any
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 from ray.serve.metrics import Counter as MetricCounter
 
-from app.conversations import CONVERSATION_HEADER
-from app.routing import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
-from app.timeline import mark_decode_picked
+from app.request.timeline import mark_decode_picked
+from app.routing.conversations import CONVERSATION_HEADER
+from app.routing.pipeline import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 
-logger = logging.getLogger("ray.serve.rendezvous.routing")
+logger = logging.getLogger("ray.serve." + __name__)
 
 # This router remembers where it sent a conversation for this long (and this many), until
 # the replica's published stats say so too; a stale entry only costs a missed reuse.
@@ -77,7 +77,7 @@ def conversation_of(pending_request) -> str | None:
 
 
 def _stamp_pick(pending_request) -> None:
-    """The request's timeline: when its decode replica was picked (app.timeline)."""
+    """The request's timeline: when its decode replica was picked (app.request.timeline)."""
     args = getattr(pending_request, "args", None) or ()
     if args:
         mark_decode_picked(args[0], time.time())

@@ -23,7 +23,7 @@ class Prefilled:
     request_id: str  # the prefill leg's; the decode leg keeps it
     kv_transfer_params: dict[str, Any]  # prefill's answer: where its blocks are, for decode's READ
     entry_replica: str  # the decode replica that ran the prefill leg
-    stamps: dict[str, float] = field(default_factory=dict)  # the request's timeline so far (app.timeline)
+    stamps: dict[str, float] = field(default_factory=dict)  # the request's timeline so far (app.request.timeline)
 
     def attach_to(self, body: Any) -> Any:
         """``body`` (the client's request) as the ingress sends it to be decoded."""

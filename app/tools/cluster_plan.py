@@ -1,5 +1,5 @@
 """A multi-node Ray cluster on one machine: which namespaces, links, addresses and ``ray start``
-flags (pure; ``app.cluster`` runs it).
+flags (pure; ``app.tools.cluster`` runs it).
 
 Three Ray nodes, each in its own Linux network namespace with its own address on a bridge in
 the root namespace: the head (GCS, Serve's controller and HTTP proxy, the ingress) and one

@@ -1,9 +1,9 @@
 """One decode replica's conversation turns, from begin to end: what each reused, counted and logged.
 
-``ConversationTable`` (app.conversations) decides whether a turn may reuse history;
+``ConversationTable`` (app.routing.conversations) decides whether a turn may reuse history;
 this book follows each turn through its request: pull's read-back of the history this
 replica kept (``conversations.pull_history: upstream``), prefill's report of what it
-reused (push), and at the end the outcome (``app.planner.turn_outcome``), metrics and log.
+reused (push), and at the end the outcome (``app.routing.planner.turn_outcome``), metrics and log.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from app.conversations import ConversationTable, Turn
-from app.planner import PlanSettings, Route, turn_outcome
+from app.routing.conversations import ConversationTable, Turn
+from app.routing.planner import PlanSettings, Route, turn_outcome
 from connector.params import REUSE_REPORT_KEY, ReuseReason, ReuseReport, pull_history_params, verified_history_tokens
 
-logger = logging.getLogger("ray.serve.rendezvous.servers")
+logger = logging.getLogger("ray.serve." + __name__)
 
 
 @dataclass

@@ -1,9 +1,9 @@
-"""``python -m app.cluster up|down``: a head, a prefill and a decode Ray node on this machine, each
-in its own network namespace with its own address (``app.cluster_plan`` decides which), and the
+"""``python -m app.tools.cluster up|down``: a head, a prefill and a decode Ray node on this machine, each
+in its own network namespace with its own address (``app.tools.cluster_plan`` decides which), and the
 app served on them (docs/cluster.md). Root only (``ip netns``), as CI runs.
 
 ``up [CONFIG]`` builds the network, starts Ray on each node with ``ray start`` and runs
-``python -m app.run CONFIG`` (what ``make serve`` runs) in the head's namespace, in the
+``python -m app.tools.run CONFIG`` (what ``make serve`` runs) in the head's namespace, in the
 foreground; however it ends (Ctrl-C, SIGTERM, a failed start), it tears everything down.
 ``up --no-app`` leaves the bare cluster running instead. ``down`` removes whatever exists of a
 cluster, half-built or not: every process in its namespaces, the namespaces, veths and bridge.
@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from app.cluster_plan import (
+from app.tools.cluster_plan import (
     DEFAULT_PREFIX,
     DEFAULT_SUBNET,
     ClusterPlan,
@@ -43,11 +43,11 @@ from app.cluster_plan import (
     plan_cluster,
     worker_group_resources,
 )
-from app.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
+from app.tools.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
 
 DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
 RAYSERVICE = REPO / "k8s" / "base" / "rayservice.yaml"  # the worker groups' resources live there
-_STOP_GRACE_S = 120  # app.run's own grace (90 s) plus its sweep
+_STOP_GRACE_S = 120  # app.tools.run's own grace (90 s) plus its sweep
 
 
 def _say(line: str) -> None:
@@ -152,7 +152,7 @@ def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
     if node.namespace not in present(plan)[0]:
         raise RuntimeError(f"no namespace {node.namespace}: is the cluster up?")
     if left := running(namespace_pids([node.namespace])):
-        raise RuntimeError(f"node {kind.value} still has processes {left}: `python -m app.cluster kill-node {kind.value}` first")
+        raise RuntimeError(f"node {kind.value} still has processes {left}: `python -m app.tools.cluster kill-node {kind.value}` first")
     env = {**new_run_env(keep_existing=True), **json.loads(join_file(plan).read_text())}
     start_node(plan, node, env)
 
@@ -191,7 +191,7 @@ def up(plan: ClusterPlan, config: str | None) -> int:
     namespaces, links = present(plan)
     if namespaces or links:
         _say(f"a cluster named {plan.prefix!r} is (partly) there: {namespaces + links}; "
-             f"`python -m app.cluster down{'' if plan.prefix == DEFAULT_PREFIX else ' --prefix ' + plan.prefix}` first")
+             f"`python -m app.tools.cluster down{'' if plan.prefix == DEFAULT_PREFIX else ' --prefix ' + plan.prefix}` first")
         return 2
     if (conflict := host_conflict(plan, host_networks())) is not None:
         _say(f"cannot build the cluster: {conflict}")
@@ -207,7 +207,7 @@ def up(plan: ClusterPlan, config: str | None) -> int:
             stopping.append(time.monotonic())
             _say(f"stopping ({signal.Signals(signum).name})")
         if child[0].poll() is None:
-            child[0].send_signal(signal.SIGINT)  # app.run stops Serve, then sweeps its run
+            child[0].send_signal(signal.SIGINT)  # app.tools.run stops Serve, then sweeps its run
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -219,15 +219,15 @@ def up(plan: ClusterPlan, config: str | None) -> int:
             ray_env = " ".join(f"{k}={v}" for k, v in {"RAY_ADDRESS": plan.gcs_address, **auth_env(env["RAY_AUTH_TOKEN"])}.items())
             _say(f"cluster up (run id {env[MARKER]}). Serve on it from the head's namespace: "
                  f"`ip netns exec {plan.head.namespace} env {ray_env} serve run CONFIG`; "
-                 f"`python -m app.cluster down` removes it")
+                 f"`python -m app.tools.cluster down` removes it")
             return 0
-        config = str(Path(config).resolve())  # app.run runs in the repo, the user maybe elsewhere
+        config = str(Path(config).resolve())  # app.tools.run runs in the repo, the user maybe elsewhere
         port = urlsplit(base_url_of(yaml.safe_load(Path(config).read_text()) or {})).port
         _say(f"serving {config} on the cluster: {plan.base_url(port)}/v1 from this host; Ctrl-C stops everything")
         child.append(subprocess.Popen(
-            in_namespace(plan.head.namespace, [sys.executable, "-m", "app.run", config]),
+            in_namespace(plan.head.namespace, [sys.executable, "-m", "app.tools.run", config]),
             cwd=REPO, env={**env, "RAY_ADDRESS": plan.gcs_address},
-            start_new_session=True,  # a terminal's Ctrl-C reaches app.run once, through us
+            start_new_session=True,  # a terminal's Ctrl-C reaches app.tools.run once, through us
         ))
         threading.Thread(target=_say_when_ready, args=(plan.base_url(port), child[0]), daemon=True).start()
         code = _wait(child[0], stopping)
@@ -248,7 +248,7 @@ def up(plan: ClusterPlan, config: str | None) -> int:
 
 
 def _say_when_ready(base: str, child: subprocess.Popen) -> None:
-    """app.run says when the app is ready at the head's own 127.0.0.1; say where this host reaches it."""
+    """app.tools.run says when the app is ready at the head's own 127.0.0.1; say where this host reaches it."""
     while child.poll() is None:
         if (read_readiness(f"{base}/ready") or (None, {}))[1].get("ready"):
             _say(f"ready on the cluster: {base}/v1 (from this host)")
@@ -277,7 +277,7 @@ def down(plan: ClusterPlan) -> int:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m app.cluster",
+        prog="python -m app.tools.cluster",
         description="A head, a prefill and a decode Ray node on this machine, each in its own network namespace "
         "(docs/cluster.md); up: serve CONFIG on them until Ctrl-C; down: remove a cluster left behind.",
     )
@@ -289,7 +289,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 network for the bridge and nodes")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
-        _say("app.cluster needs root (ip netns, veth pairs, a bridge)")
+        _say("app.tools.cluster needs root (ip netns, veth pairs, a bridge)")
         return 2
     try:
         plan = load_plan(args.prefix, args.subnet)

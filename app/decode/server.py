@@ -1,36 +1,36 @@
-"""The prefill and decode Serve deployments.
+"""The decode Serve deployment (the prefill one is ``app.prefill.server``).
 
 Ray Serve LLM's ``PDDecodeServer`` already does what push needs once a connector backend
 asks for it: the ingress routes the request to a decode replica on arrival (through
-``app.decode_router``), the decode replica binds a prefill replica (``choose_replica``)
+``app.routing.decode_router``), the decode replica binds a prefill replica (``choose_replica``)
 and sends both legs concurrently. ``DecodeServer`` gathers the facts of each request and
-carries out what ``app.planner`` decides; it adds:
+carries out what ``app.routing.planner`` decides; it adds:
 
 * a fresh, unique request id per request — vLLM pairs the two legs by that id, so it
   must never come from a client header that may repeat;
 * conditional disaggregation — a prompt whose part to compute (for a conversation turn:
   beyond the history this replica holds) is shorter than ``local_prefill_below_tokens``
   is prefilled by the decode engine itself: no prefill hop, no transfer; so is a request
-  a prefill leg cannot serve (``app.eligibility``: several sequences, prompt logprobs,
-  what decode's engine would refuse) (``app.planner``);
+  a prefill leg cannot serve (``app.routing.eligibility``: several sequences, prompt logprobs,
+  what decode's engine would refuse) (``app.routing.planner``);
 * late binding in pull mode — a disaggregated request without a conversation is only
   prefilled by the replica it reached first; the ingress then has it decoded where the
-  load is lowest when prefill is done (``app.late_binding``);
+  load is lowest when prefill is done (``app.routing.late_binding``);
 * a handoff that cannot hang — the prefill leg has a deadline sized to its work
-  (``app.deadlines``); if it times out or fails before decode produced anything, decode
+  (``app.request.deadlines``); if it times out or fails before decode produced anything, decode
   prefills the prompt itself (``fallback``) instead of waiting for KV that will never come,
-  or failing the request (``app.handoff``); the queue deadline grows by the request's own
+  or failing the request (``app.decode.handoff``); the queue deadline grows by the request's own
   work (a long prompt is not a queued one);
 * conversations — a turn with a ``conversation_id`` gets its conversation's prefix-cache
   salt on decode, and, when this replica still retains the conversation, both legs ask
-  the engines to reuse the history (``app.conversations``, ``connector.push_reuse``);
-  what happened to each turn's history is logged and counted (``app.turns``);
+  the engines to reuse the history (``app.routing.conversations``, ``connector.push_reuse``);
+  what happened to each turn's history is logged and counted (``app.decode.turns``);
 * the load it carries (requests and tokens in flight, KV capacity) and the conversations
   it retains, published for the router through Serve's ``record_routing_stats`` hook,
   and counted in metrics.
 
-Both servers run two short sampled generations on their engine before they take traffic
-(``app.warmup``): a fresh engine's first sampled generation is seconds slower on CPU.
+It runs two short sampled generations on its engine before it takes traffic, as the prefill
+server does (``app.replica.warmup``): a fresh engine's first sampled generation is seconds slower on CPU.
 """
 
 from __future__ import annotations
@@ -43,19 +43,17 @@ from typing import Any
 from ray import serve
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
-from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer, PDPrefillServer
+from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
 
-from app.args import HandoffArgs, PullHistory
-from app.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
-from app.deadlines import Deadlines, SoloLegs
-from app.decode_metrics import DecodeMetrics
-from app.eligibility import decode_alone_reason
-from app.handoff import Handoff, Served
-from app.late_binding import Prefilled
-from app.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.prefill_router import said_prompt_tokens, with_prompt_tokens
-from app.prompts import load_tokenizer, prompt_token_ids
-from app.queue_deadline import (
+from app.config.args import HandoffArgs, PullHistory
+from app.decode.handoff import Handoff, Served
+from app.decode.metrics import DecodeMetrics
+from app.decode.turns import TurnBook
+from app.replica.prompts import load_tokenizer, prompt_token_ids
+from app.replica.warmup import warm_up
+from app.request.deadlines import Deadlines
+from app.request.fields import DEFAULT_OUTPUT_BUDGET
+from app.request.queue_deadline import (
     QueueDeadlineMoved,
     QueueExpired,
     before_queue_deadline,
@@ -63,9 +61,7 @@ from app.queue_deadline import (
     moving_queue_deadline,
     queue_deadline_of,
 )
-from app.request_fields import DEFAULT_OUTPUT_BUDGET
-from app.routing import PublishedLoad
-from app.timeline import (
+from app.request.timeline import (
     DECODE_PICKED,
     FIRST_TOKEN,
     PREFILL_PICKED,
@@ -74,13 +70,17 @@ from app.timeline import (
     decode_picked_of,
     prefill_picked_at,
 )
-from app.turns import TurnBook
-from app.warmup import warm_up
-from connector.params import REUSE_KEY, STAGES_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
+from app.routing.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
+from app.routing.eligibility import decode_alone_reason
+from app.routing.late_binding import Prefilled
+from app.routing.pipeline import PublishedLoad
+from app.routing.planner import Plan, PlanSettings, RequestFacts, Route, plan
+from app.routing.prefill_router import with_prompt_tokens
+from connector.params import REUSE_KEY, TransferMode, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.ray_backend import register_backends
-from connector.stages import STAMPS_PID_ENV, DecodeKvStamps, PrefillStages, listen_for_decode_stamps
+from connector.stages import STAMPS_PID_ENV, DecodeKvStamps, listen_for_decode_stamps
 
-logger = logging.getLogger("ray.serve.rendezvous.servers")  # under ray.serve: its handlers write the replica logs
+logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
 
 # Replicas import this module when they unpickle their class; registering here makes the
 # backends resolvable in every process, whoever built the app.
@@ -88,51 +88,6 @@ register_backends()
 
 # Most recently used conversations a replica publishes to the routers (bounds the stats).
 _PUBLISHED_CONVERSATIONS = 2000
-
-
-class PrefillServer(PDPrefillServer):
-    """Ray's prefill server, publishing for the prefill routers of the decode replicas
-    (``app.prefill_router``) its outstanding prefill work (the prompt tokens of the legs in
-    flight here) and what its engine takes to compute a prompt (``app.deadlines``)."""
-
-    async def __init__(self, llm_config, **kwargs):
-        await super().__init__(llm_config, **kwargs)
-        self._tokenizer = load_tokenizer(llm_config)
-        self._legs = SoloLegs()
-        self._tokens_in_flight = 0
-        await warm_up(self, llm_config.model_id, "prefill")
-
-    async def chat(self, request, raw_request_info=None):
-        return self._counted(request, await super().chat(request, raw_request_info))
-
-    async def completions(self, request, raw_request_info=None):
-        return self._counted(request, await super().completions(request, raw_request_info))
-
-    async def _counted(self, request, chunks):
-        # The decode replica counted them already (app.prefill_router); tokenize only a leg that does not say.
-        tokens = said_prompt_tokens(request)
-        if tokens is None:
-            tokens = len(prompt_token_ids(self._tokenizer, request) or ())
-        ticket = self._legs.begin()
-        self._tokens_in_flight += tokens
-        try:
-            async for chunk in chunks:
-                report = (getattr(chunk, "kv_transfer_params", None) or {}).get(STAGES_KEY)
-                if report is not None:  # the engine's, with the last chunk: when it computed the leg
-                    stages = PrefillStages.from_wire(report)
-                    seconds = None if None in (stages.started, stages.finished) else stages.finished - stages.started
-                    self._legs.computed(ticket, stages.computed_tokens, stages.prompt_tokens, seconds)
-                yield chunk
-        finally:
-            self._legs.end()
-            self._tokens_in_flight -= tokens
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        stats = await super().record_routing_stats() or {}
-        cost = self._legs.cost
-        load = PublishedLoad(self._legs.in_flight, self._tokens_in_flight, time.time(), prefill_cost=cost.line,
-                             prefill_cost_fitted=cost.fitted)
-        return load.publish_into(stats)
 
 
 class DecodeServer(PDDecodeServer):
@@ -149,7 +104,7 @@ class DecodeServer(PDDecodeServer):
         isolate_uncached: bool,
         **kwargs,
     ):
-        """Every setting comes from the config (``app.builder``); their defaults live in ``app.args``."""
+        """Every setting comes from the config (``app.builder``); their defaults live in ``app.config.args``."""
         os.environ[STAMPS_PID_ENV] = str(os.getpid())  # before the engine starts: its processes stamp to us
         await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
         settings = PlanSettings(
@@ -174,7 +129,7 @@ class DecodeServer(PDDecodeServer):
     def _setup(self, settings: PlanSettings, *, replica_id: str, tokenizer, deadlines: Deadlines, conversations,
                metrics) -> None:
         """Everything but Ray's own state; tests call it on an object without an engine.
-        ``conversations``: ``app.args.ConversationArgs``, or None when conversations are off."""
+        ``conversations``: ``app.config.args.ConversationArgs``, or None when conversations are off."""
         self._settings, self._replica_id, self._tokenizer, self._metrics = settings, replica_id, tokenizer, metrics
         self._ongoing = 0
         self._tokens_in_flight = 0
@@ -204,7 +159,7 @@ class DecodeServer(PDDecodeServer):
         return self._serve(request, raw_request_info, "completions")
 
     async def _concurrent_decode(self, method, decode_request, prefill_resp, raw_request_info, *, cancel_on_failure=True):
-        """Ray's push orchestration calls this; ours has a deadline (``app.handoff``)."""
+        """Ray's push orchestration calls this; ours has a deadline (``app.decode.handoff``)."""
         async for chunk in self._handoff.concurrent_decode(method, decode_request, prefill_resp, raw_request_info):
             yield chunk
 
@@ -268,7 +223,7 @@ class DecodeServer(PDDecodeServer):
         if (waited := queue_deadline_of(request)) is not None:
             def deadline() -> float:
                 # The time a request may wait is the setting's; the time it takes to compute is its own, read
-                # again while it waits (the cost it is sized by may be published meanwhile: app.deadlines). Once
+                # again while it waits (the cost it is sized by may be published meanwhile: app.request.deadlines). Once
                 # prefill answered, the push KV deadline fixed in the leg, and decode's recompute, come first.
                 deadlines = self._handoff.deadlines
                 at = waited + deadlines.queue_extension_s(prompt_tokens)

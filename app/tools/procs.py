@@ -7,7 +7,7 @@ raylet and workers, Serve replicas, vLLM EngineCore and workers — inherits it,
 ``/proc/<pid>/environ`` tells us who belongs to the run. Listing processes, their names,
 command lines, children and CPU times, and signalling them, is psutil's.
 
-:class:`AppProcess` starts a run the way a user does (``python -m app.run CONFIG``, what
+:class:`AppProcess` starts a run the way a user does (``python -m app.tools.run CONFIG``, what
 ``make serve`` runs) in its own process group; the integration tests and the benchmarks
 (``python -m bench``) both start the app through it.
 """
@@ -66,8 +66,8 @@ def _marker_of(pid: int) -> str | None:
 
 def find_processes(run_id: str | None) -> list[int]:
     """Pids carrying ``run_id`` (any run's, if None), excluding this process and its
-    ancestors: the ``make serve`` that started ``app.run`` carries the marker too, and
-    the sweep must not kill it (it exits on its own once ``app.run`` has)."""
+    ancestors: the ``make serve`` that started ``app.tools.run`` carries the marker too, and
+    the sweep must not kill it (it exits on its own once ``app.tools.run`` has)."""
     me = psutil.Process()
     skip = {me.pid} | {p.pid for p in me.parents() if p.pid > 1}
     pids = []
@@ -164,20 +164,20 @@ def running(pids: list[int]) -> list[int]:
 
 
 class AppProcess:
-    """``python -m app.run CONFIG`` (what ``make serve`` runs), or ``make serve`` itself,
+    """``python -m app.tools.run CONFIG`` (what ``make serve`` runs), or ``make serve`` itself,
     in its own process group."""
 
-    def __init__(self, config: str, log_dir: Path, *, how: str = "app.run", base_url: str = BASE_URL,
+    def __init__(self, config: str, log_dir: Path, *, how: str = "app.tools.run", base_url: str = BASE_URL,
                  env: dict[str, str] | None = None):
         self.config = config
         self.base_url = base_url
         self.command = {
-            "app.run": [sys.executable, "-m", "app.run", config],
+            "app.tools.run": [sys.executable, "-m", "app.tools.run", config],
             "make": ["make", "--no-print-directory", "serve", f"CONFIG={config}"],
             # Plain `serve run` inside the venv, without our wrapper's clean-up sweep.
             "serve": [str(Path(sys.executable).with_name("serve")), "run", config],
-            # A three-node cluster on this machine serving it (app.cluster; root).
-            "cluster": [sys.executable, "-m", "app.cluster", "up", config],
+            # A three-node cluster on this machine serving it (app.tools.cluster; root).
+            "cluster": [sys.executable, "-m", "app.tools.cluster", "up", config],
         }[how]
         self.env = {**new_run_env(), **(env or {})}  # env: extra variables for every process of the run
         self.run_id = self.env[MARKER]
@@ -285,7 +285,7 @@ def base_url_of(config: dict) -> str:
 
 
 def read_readiness(url: str) -> tuple[int, dict] | None:
-    """Status (200 or 503) and body of the app's readiness route (``app.readiness``), or
+    """Status (200 or 503) and body of the app's readiness route (``app.ingress.readiness``), or
     None while it is not ours that answers (Serve's proxy before the ingress is up, an app
     without ``/ready``, nothing listening)."""
     try:

@@ -24,7 +24,7 @@ from typing import Any
 from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest, ErrorResponse
 from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-logger = logging.getLogger("ray.serve.rendezvous.warmup")
+logger = logging.getLogger("ray.serve." + __name__)
 
 # Long enough for a real prefill and a decode step, short enough to cost well under a second.
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-logger = logging.getLogger("ray.serve.rendezvous.readiness")
+logger = logging.getLogger("ray.serve." + __name__)
 
 # Deployment name prefixes (app.builder names the deployments with them).
 DECODE_PREFIX = "Decode:"

@@ -14,11 +14,11 @@ import logging
 from ray.llm._internal.common.callbacks.base import CallbackBase
 from ray.llm._internal.common.utils.cloud_utils import is_remote_path
 
-logger = logging.getLogger("ray.serve.rendezvous.node_init")  # under ray.serve: its handlers write the replica logs
+logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
 
 
 class SkipIdleNodeInit(CallbackBase):
-    """``LLMConfig.callback_config`` of both roles (app.llm_configs)."""
+    """``LLMConfig.callback_config`` of both roles (app.config.llm_configs)."""
 
     async def on_before_node_init(self) -> None:
         engine = self.llm_config.get_engine_config()

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from app.conversations import Turn
+from app.routing.conversations import Turn
 from connector.params import ReuseReason, ReuseReport, TransferMode
 
 
@@ -43,7 +43,7 @@ class RequestFacts:
     prompt_tokens: int | None  # None: could not tokenize (disaggregated, as if long)
     stream: bool
     turn: Turn | None  # its conversation turn, if any
-    alone_reason: str | None = None  # why only decode's engine can serve it (app.eligibility)
+    alone_reason: str | None = None  # why only decode's engine can serve it (app.routing.eligibility)
     prefilled: bool = False  # late binding: another replica ran its prefill leg
     client_salt: str | None = None  # the client's own cache_salt
 

@@ -6,7 +6,7 @@ when every replica is filtered out the pick falls back to all candidates rather 
 failing (Serve's own back-pressure — ``max_ongoing_requests`` — still applies). Each
 decision records what every filter and scorer did, for debug logs and metrics.
 
-The Ray side (``app.decode_router``) builds the snapshots from Serve's probed queue
+The Ray side (``app.routing.decode_router``) builds the snapshots from Serve's probed queue
 lengths and the stats each replica publishes (``record_routing_stats``).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.admission import Line
+from app.routing.admission import Line
 
 # Under this key of a replica's routing stats: its PublishedLoad.
 STATS_KEY = "rendezvous"
@@ -34,7 +34,7 @@ class PublishedLoad:
     recorded_at: float  # wall clock
     kv_capacity_tokens: int | None = None  # decode
     conversations: tuple[str, ...] = ()  # decode: the most recently served, retained or expired
-    prefill_cost: Line | None = None  # prefill: seconds its engine computes n prompt tokens alone (app.deadlines)
+    prefill_cost: Line | None = None  # prefill: seconds its engine computes n prompt tokens alone (app.request.deadlines)
     prefill_cost_fitted: bool = False  # ... a least-squares fit, not a few legs' seconds per token
 
     def publish_into(self, stats: dict) -> dict:

@@ -1,5 +1,5 @@
 """The ingress's metrics (Ray Serve's, so each carries its deployment and replica): what admission
-decided (app/admission.py), what the ingress turned away or lost, and each request's stage durations."""
+decided (app/routing/admission.py), what the ingress turned away or lost, and each request's stage durations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import functools
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from app.admission import Admission
+from app.routing.admission import Admission
 
 # Ray drops a gauge not set again within two export intervals (at least 1 s each; 10 s by default):
 # admission's are re-set this often, so they stay exported at any interval an operator sets.
@@ -21,7 +21,7 @@ def rejected() -> Counter:
         "rendezvous_ingress_rejected",
         description="Requests the ingress turned away before they reached a model, by reason: over_slo (429, expected "
         "time to first byte beyond ingress.ttft_slo_s), limit (429, the adaptive limit while there is no estimate), busy "
-        "(429, max_in_flight reached), not_ready (503, no decode replica can answer: app/readiness.py), too_large (413), "
+        "(429, max_in_flight reached), not_ready (503, no decode replica can answer: app/ingress/readiness.py), too_large (413), "
         "unauthorized (401).",
         tag_keys=("reason",),
     )
@@ -31,7 +31,7 @@ def rejected() -> Counter:
 def admitted() -> Counter:
     return Counter(
         "rendezvous_ingress_admitted",
-        description="Generation requests the ingress admitted, by reason (app/admission.py): estimate (expected time "
+        description="Generation requests the ingress admitted, by reason (app/routing/admission.py): estimate (expected time "
         "to first byte within ingress.ttft_slo_s), idle (almost nothing in flight), limit (no estimate yet: under the "
         "adaptive limit), unlimited (no SLO configured).",
         tag_keys=("reason",),
@@ -50,7 +50,7 @@ def expired() -> Counter:
 def _gauges() -> dict[str, Gauge]:
     return {
         "estimate": Gauge("rendezvous_ingress_ttft_estimate_seconds", description="Expected time to first byte of "
-                          "the last arrival at this ingress replica (app/admission.py); absent until it has learned."),
+                          "the last arrival at this ingress replica (app/routing/admission.py); absent until it has learned."),
         "limit": Gauge("rendezvous_ingress_in_flight_limit", description="The adaptive in-flight limit (AIMD on "
                        "time to first byte) that decides while there is no estimate; never above max_in_flight."),
         "in_flight": Gauge("rendezvous_ingress_in_flight", description="Generation requests in flight on this "
@@ -80,7 +80,7 @@ def decode_lost() -> Counter:
 def stage_seconds() -> Histogram:
     return Histogram(
         "rendezvous_stage_seconds",
-        description="Seconds each stage of a request took, by transfer mode and stage (app/timeline.py): route "
+        description="Seconds each stage of a request took, by transfer mode and stage (app/request/timeline.py): route "
         "(decode_pick + decode_hop), bind, prefill_pick, prefill_hop, prefill_queue, prefill_compute, register, handoff "
         "(KV to decode and its first step: transfer + first_step; push's transfer = write_wait + write, pull's ends with "
         "read), local_prefill, deliver (first token to the client), ttft.",

@@ -12,9 +12,9 @@ handle lives in its process), so this router combines:
   of every router's legs in flight there, seconds late on a busy box.
 
 It also hands on what each prefill replica published of its engine's cost
-(``app.deadlines.PUBLISHED``, which this decode replica's deadlines read).
+(``app.request.deadlines.PUBLISHED``, which this decode replica's deadlines read).
 
-The pipeline and its scorers are ``app.routing``'s, with ``routing.prefill_policy``.
+The pipeline and its scorers are ``app.routing.pipeline``'s, with ``routing.prefill_policy``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Any
 
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
-from app.deadlines import published_prefill_costs
-from app.decode_router import count_pick, ranked, snapshot_from_stats
-from app.routing import PublishedLoad, RouteRequest, RoutingPolicy, pick
-from app.timeline import record_prefill_pick
+from app.request.deadlines import published_prefill_costs
+from app.request.timeline import record_prefill_pick
+from app.routing.decode_router import count_pick, ranked, snapshot_from_stats
+from app.routing.pipeline import PublishedLoad, RouteRequest, RoutingPolicy, pick
 
-logger = logging.getLogger("ray.serve.rendezvous.routing")
+logger = logging.getLogger("ray.serve." + __name__)
 
 _CHARS_PER_TOKEN = 4  # when a leg does not say its prompt length
 _REMEMBERED = 10_000  # legs in flight this router keeps track of, at most

@@ -1,14 +1,14 @@
 """The queue deadline (``ingress.queue_deadline_s``): when an admitted request that has not started is given up on.
 
 The setting is how long a request may *wait*; the time its own prompt takes to compute is added
-by the decode replica, which knows it (``app.deadlines``: a 4k-token prompt on a slow box is not
+by the decode replica, which knows it (``app.request.deadlines``: a 4k-token prompt on a slow box is not
 a queued request). The ingress writes the deadline into the request (``QUEUE_DEADLINE_FIELD``).
 
 A stream's deadline is then kept by the ingress: upstream returns a stream's response at its
 first chunk, so the ingress waits for that, until the deadline the decode replica sends back
 first (``QueueDeadlineMoved``), and again if its estimate of the request's work changes before
 the first chunk (a decode replica that had no published prefill cost yet learns it at its
-first prefill pick: ``app.deadlines``). A non-streamed answer comes whole, at the end, so "has it
+first prefill pick: ``app.request.deadlines``). A non-streamed answer comes whole, at the end, so "has it
 started?" can only be told where its engine runs: when the deadline passes with no answer the
 decode replica asks its engine whether the request's first token is out. If not, the request is
 cancelled (the engine aborts it, the handoff its prefill leg) and ``QueueExpired`` goes back in
@@ -25,10 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.request_fields import float_field, set_float_field
+from app.request.fields import float_field, set_float_field
 from connector.params import external_request_id
 
-logger = logging.getLogger("ray.serve.rendezvous.queue_deadline")
+logger = logging.getLogger("ray.serve." + __name__)
 
 # The request field that carries the deadline (epoch seconds) to the decode replica.
 QUEUE_DEADLINE_FIELD = "rendezvous_queue_deadline"
