@@ -2,7 +2,7 @@
 
 The orchestrator works with typed objects (:class:`PeerIdentity`); this module turns
 them into the dicts vLLM expects on each leg. Pinned to vLLM 0.32's NIXL push/pull
-connectors (see ``tests/unit/test_params.py`` for the seam).
+connectors (see ``tests/unit/connector/test_params.py`` for the seam).
 """
 
 from __future__ import annotations

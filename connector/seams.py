@@ -2,12 +2,12 @@
 repository touches, in one list: what it is, who uses it and why (pure data; imports
 neither Ray, vLLM nor ``app``).
 
-Upstream can rename or reshape any of these in a patch release. ``tests/unit/test_seams.py``
+Upstream can rename or reshape any of these in a patch release. ``tests/unit/connector/test_seams.py``
 resolves every entry against the installed packages and fails with the entry's own words
 ("vllm 0.32.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
 also fails when code in ``app/`` or ``connector/`` starts using a private name or module
 that is not listed here. So: a new private use gets an entry, and an upgrade starts with
-``pytest tests/unit/test_seams.py`` (README: "Upgrading vLLM or Ray").
+``pytest tests/unit/connector/test_seams.py`` (README: "Upgrading vLLM or Ray").
 
 An entry:
 
@@ -103,7 +103,7 @@ _META = f"{_NIXL}.metadata"
 _RLLM = "ray.llm._internal.serve"
 _PD = f"{_RLLM}.serving_patterns.prefill_decode.pd_server"
 _ROUTER = "ray.serve._private.request_router.request_router"
-_T = "tests/unit/test_seams.py::"
+_T = "tests/unit/connector/test_seams.py::"
 T_PUSH = _T + "test_vllm_push_internals_our_overrides_use"
 T_IDLE = _T + "test_vllm_engine_loop_internals_the_idle_wait_relies_on"
 T_PULL = _T + "test_vllm_pull_read_back_internals_we_rely_on"
@@ -156,13 +156,13 @@ SEAMS: list[Seam] = [
          "carry reuse offers worker -> scheduler (ReuseOffers; aggregate() merges ranks)"),
     Seam("vllm", "vllm.config.vllm:VllmConfig", "max_concurrent_batches", "attribute", _IDLE,
          "keep the idle wait off where the engine core runs a batch queue (async scheduling, pipeline parallel)",
-         checked_by="tests/unit/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
+         checked_by="tests/unit/connector/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
     # ------------------------------------------------------------------ vLLM: push scheduler (decode and prefill)
     Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _PUSH_CONN,
          "subclass the push scheduler (PushScheduler: our features composed in)"),
     *_each("vllm", _PUSH_S, ("get_num_new_matched_tokens", "update_state_after_alloc", "update_connector_output",
                              "request_finished", "build_connector_meta", "on_new_request"), "method", _PUSH_CONN,
-           "override the scheduler-side connector hooks (same signatures); tests/unit/test_upstream_calls_our_hooks.py "
+           "override the scheduler-side connector hooks (same signatures); tests/unit/connector/test_upstream_calls_our_hooks.py "
            "proves vLLM calls each", checked_by=T_IDLE),
     Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
          "stamp each registration with an expiry and add the reuse offer before vLLM sends it", checked_by=T_PUSH),
@@ -183,7 +183,7 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PUSH_W, ("start_load_kv", "get_transfer_results", "_do_start_push_kv", "_handle_push_reg_notif",
                              "_get_new_notifs", "_xfer_blocks_for_req", "_pop_done_transfers", "_do_send_reg_notif"),
            "method", _PUSH_CONN, "override the worker's transfer steps (same signatures); "
-           "tests/unit/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
+           "tests/unit/connector/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM,
            "send decode's agents the WRITE's start, the KV's sums and an aborted leg (nixl_wrapper.send_notif, as vLLM "
            "sends its PUSH_REG)",
@@ -337,7 +337,7 @@ SEAMS: list[Seam] = [
          "see whether every unfinished request only waits for remote KV: the scheduler tells the connector of each "
          "request it adds (on_new_request), as it does of each it ends (request_finished)",
          snippet="self.connector.on_new_request(request)",
-         checked_by="tests/unit/test_upstream_calls_our_hooks.py::test_vllm_reaches_our_hook"),
+         checked_by="tests/unit/connector/test_upstream_calls_our_hooks.py::test_vllm_reaches_our_hook"),
     Seam("vllm", "vllm.v1.executor.multiproc_executor:WorkerProc", "monitor_death_pipe", "method", _IDLE,
          "find the worker's RPC reader (rpc_reader): the death-pipe thread's argument, the RPC reader first",
          snippet="args=([self.rpc_broadcast_mq, self.worker_response_mq],),", silent=True, checked_by=T_IDLE),
@@ -400,7 +400,7 @@ SEAMS: list[Seam] = [
          "_get_kv_connector_output", "behaviour", _ORDER,
          "start a step's KV transfers before its forward where the forward blocks (CPU): the flag only orders them",
          snippet="start_after_forward = not scheduler_output.has_sync_kv_loads",
-         checked_by="tests/unit/test_transfer_order.py::test_vllm_starts_loads_before_the_forward_only_when_told"),
+         checked_by="tests/unit/connector/test_transfer_order.py::test_vllm_starts_loads_before_the_forward_only_when_told"),
     # ------------------------------------------------------------------ vLLM: elsewhere
     Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "schedule", "behaviour", _REUSE,
          "hold a prefill back while its offer is due: a None match means 'ask again next step'", checked_by=T_PUSH),
@@ -414,7 +414,7 @@ SEAMS: list[Seam] = [
          "disaggregate a request that asks for more output than the context holds: vLLM serves it, its output "
          "bounded by the context (0.29 refused it with a 400, and decode served it alone to refuse it)",
          snippet="model_max_tokens = max_model_len - input_length",
-         checked_by="tests/unit/test_eligibility.py::"
+         checked_by="tests/unit/routing/test_eligibility.py::"
                     "test_vllm_serves_a_request_for_more_output_than_the_context_holds_bounded_by_it"),
     Seam("vllm", "vllm.envs", "environment_variables", "behaviour", ("connector/engine_env.py",),
          "set the side channel, request id and CPU env vars vLLM reads",
@@ -442,7 +442,7 @@ SEAMS: list[Seam] = [
     Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "start", "behaviour", ("app/replica/node_init.py",),
          "the engine start asks the callback before running node initialization",
          snippet="if callback.ctx.run_init_node:",
-         checked_by="tests/unit/test_llm_configs.py::test_node_initialization_runs_only_where_ray_would_download_the_model"),
+         checked_by="tests/unit/config/test_llm_configs.py::test_node_initialization_runs_only_where_ray_would_download_the_model"),
     Seam("ray", "ray.llm._internal.common.utils.download_utils", "download_model_files", "behaviour",
          ("app/replica/node_init.py",), "without a mirror or a remote path the node task downloads nothing (so skipping it loses nothing)",
          snippet='logger.info("No cloud storage mirror configured")',
@@ -556,9 +556,9 @@ SEAMS: list[Seam] = [
          "plan each replica's NIXL side-channel port by rank (context.rank is a ReplicaRank, not an int)"),
     Seam("ray", "ray._common.constants", "HEAD_NODE_RESOURCE_NAME", "import", ("app/config/llm_configs.py",),
          "place the ingress on the head node by the head's own resource (named by value there; "
-         "tests/unit/test_llm_configs.py checks the value)"),
+         "tests/unit/config/test_llm_configs.py checks the value)"),
     # ------------------------------------------------------------------ Starlette
     Seam("starlette", "starlette.requests:Request", "_body", "instance", ("app/ingress/server.py",),
          "replace the body the endpoint reads (a body conversation_id moved into the header)",
-         checked_by="tests/unit/test_ingress.py::test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it"),
+         checked_by="tests/unit/ingress/test_server.py::test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it"),
 ]

@@ -2,7 +2,7 @@
 
 ``DecodeServer`` gathers the facts (prompt length, conversation turn, eligibility, late
 binding) and carries out the :class:`Plan`; every decision lives here, with
-table-driven tests that start nothing (tests/unit/test_planner.py).
+table-driven tests that start nothing (tests/unit/routing/test_planner.py).
 """
 
 from __future__ import annotations

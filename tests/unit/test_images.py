@@ -135,7 +135,7 @@ def test_the_lint_is_not_vacuous(tmp_path):
 
 
 # The checks below read the pins from pyproject.toml's gpu extra. The two tests right below keep that extra in
-# step with the cpu extra, connector/seams.py and the installed Ray's llm extra; tests/unit/test_seams.py checks
+# step with the cpu extra, connector/seams.py and the installed Ray's llm extra; tests/unit/connector/test_seams.py checks
 # the installed versions against PINNED (test_installed_versions_are_the_pinned_ones).
 
 

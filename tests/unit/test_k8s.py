@@ -645,7 +645,7 @@ def test_docs_name_only_files_that_exist():
 def test_deploy_stays_pure(rel):
     """deploy/ runs wherever manifests are rendered: no Ray, vLLM or torch, directly or through
     the repository modules it uses (which must be ones test_layering keeps pure)."""
-    from tests.unit.test_layering import HEAVY, PURE, imports_of
+    from tests.support.layering import HEAVY, PURE, imports_of
 
     imports = imports_of(rel)
     assert not [str(i) for i in imports if i.top in HEAVY]

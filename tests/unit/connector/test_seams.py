@@ -42,6 +42,7 @@ from connector.ports import Role
 import connector.ray_backend as ray_backend
 from connector.ray_backend import BACKENDS, NixlPullBackend, NixlPushBackend, register_backends
 from connector.upgrade_check import assigned_on_self
+from tests.support.decode_server import decode_server, drain
 
 VLLM_DIR = Path(vllm.__file__).parent
 PEER = PeerIdentity(engine_id="prefill-r0-10.0.0.5-20000-abc123", host="10.0.0.5", port=20000, tp_size=2, pp_size=1)
@@ -229,69 +230,21 @@ def test_build_llm_deployment_signature():
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
 
 
-def _decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = "push", late_binding: bool = False,
-                   conversations=None, timeout_s: float = 30.0):
-    """A DecodeServer without an engine (Ray's __init__ would start one), set up by its own
-    ``_setup``; Ray's push orchestration is a stand-in that records what it was given."""
-    from app.request.deadlines import Deadlines
-    from app.routing.planner import PlanSettings
-    from app.decode.server import DecodeServer
-    from connector.params import TransferMode
-
-    server = DecodeServer.__new__(DecodeServer)
-    server.paths, server.seen, server.load, server.turns = [], [], [], []
-    metrics = types.SimpleNamespace(
-        load=lambda ongoing, tokens: None,
-        finished=lambda prefill, stream, first, total: server.paths.append(prefill),
-        bound=lambda binding, moved: None,
-        turn=lambda *args: server.turns.append(args),
-        retained=lambda count: None,
-    )
-    settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
-    deadlines = Deadlines(prefill_floor_s=timeout_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
-    server._setup(settings, replica_id="decode-1", tokenizer=None, deadlines=deadlines,
-                  conversations=conversations, metrics=metrics)
-    server._prompt_token_ids = lambda request: [0] * prompt_tokens
-    server._max_model_len = lambda: 4096
-
-    async def remote(request, raw=None):
-        server.seen.append((request, raw))
-        server.load.append((server._ongoing, server._tokens_in_flight))
-        yield "remote-chunk"
-
-    server._pd_handle_request = remote
-    return server
-
-
-def _drain(server, method, *args, timelines=None):
-    """The chunks a request yields, as the ingress passes them on: without the request's
-    timeline (appended to ``timelines`` if given)."""
-    from app.request.timeline import RequestTimeline
-
-    async def go():
-        return [chunk async for chunk in await getattr(server, method)(*args)]
-
-    chunks = asyncio.run(go())
-    if timelines is not None:
-        timelines.extend(c for c in chunks if isinstance(c, RequestTimeline))
-    return [c for c in chunks if not isinstance(c, RequestTimeline)]
-
-
 def test_decode_server_gives_each_request_a_fresh_transfer_id():
     from app.decode.server import DecodeServer
     from app.prefill.server import PrefillServer
 
     assert issubclass(DecodeServer, PDDecodeServer) and issubclass(PrefillServer, PDPrefillServer)
-    server = _decode_server()
+    server = decode_server()
     # As the ingress hands them over: request_id is a default, not explicitly set.
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
     completion = CompletionRequest(model="m", prompt="hi")
     assert "request_id" not in chat.model_fields_set | completion.model_fields_set
     original_ids = (chat.request_id, completion.request_id)
 
-    assert _drain(server, "chat", chat, "raw") == ["remote-chunk"]
-    _drain(server, "chat", chat)
-    _drain(server, "completions", completion)
+    assert drain(server, "chat", chat, "raw") == ["remote-chunk"]
+    drain(server, "chat", chat)
+    drain(server, "completions", completion)
     ids = [request.request_id for request, _ in server.seen]
     assert all(i.startswith("rdv-") for i in ids) and len(set(ids)) == 3
     # Explicitly set, so Ray's LLMServer does not replace it with Serve's request id.
@@ -302,8 +255,8 @@ def test_decode_server_gives_each_request_a_fresh_transfer_id():
 
 
 def test_decode_server_counts_load_while_a_request_is_in_flight():
-    server = _decode_server(prompt_tokens=40)
-    _drain(server, "completions", CompletionRequest(model="m", prompt="hi", max_tokens=10))
+    server = decode_server(prompt_tokens=40)
+    drain(server, "completions", CompletionRequest(model="m", prompt="hi", max_tokens=10))
     assert server.load == [(1, 50)]
     assert (server._ongoing, server._tokens_in_flight) == (0, 0)
 
@@ -328,8 +281,8 @@ def _hi(**kwargs) -> ChatCompletionRequest:
 
 @pytest.mark.parametrize("prompt_tokens, expected", [(3, "local"), (15, "local"), (16, "remote"), (400, "remote")])
 def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_tokens, expected):
-    server = _decode_server(local_below=16, prompt_tokens=prompt_tokens)
-    assert _drain(server, "chat", _hi()) == [f"{expected}-chunk"] and server.paths == [expected]
+    server = decode_server(local_below=16, prompt_tokens=prompt_tokens)
+    assert drain(server, "chat", _hi()) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
 @pytest.mark.parametrize("request_, prompt_tokens, expected", [
@@ -339,8 +292,8 @@ def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_token
     (_hi(max_tokens=1), 4096, "local"),  # no room for one token: decode's engine refuses it
 ])
 def test_decode_server_serves_alone_what_a_prefill_leg_cannot(local_engine, request_, prompt_tokens, expected):
-    server = _decode_server(prompt_tokens=prompt_tokens)
-    assert _drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
+    server = decode_server(prompt_tokens=prompt_tokens)
+    assert drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
 
 
 def test_llm_server_keeps_an_explicitly_set_request_id(monkeypatch):
@@ -601,9 +554,9 @@ def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
 
 
 def test_without_a_tokenizer_every_request_is_disaggregated():
-    server = _decode_server(local_below=16)
+    server = decode_server(local_below=16)
     del server._prompt_token_ids  # the real one: no tokenizer, length unknown
-    _drain(server, "completions", CompletionRequest(model="m", prompt="hi"))
+    drain(server, "completions", CompletionRequest(model="m", prompt="hi"))
     assert server.paths == ["remote"]
 
 
@@ -781,7 +734,7 @@ def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
     assert "pthrDelay = 0" in inspect.getsource(agent_cls.__init__)  # the seam: still hard-coded
     assert calm_progress_threads() and calm_progress_threads()  # idempotent
     assert not calm_progress_threads(["GDS"])  # a backend whose progress thread we have not read: left as NIXL sets it
-    assert calm_progress_threads(["LIBFABRIC"])  # it spun a core per agent (tests/unit/test_nixl_progress.py)
+    assert calm_progress_threads(["LIBFABRIC"])  # it spun a core per agent (tests/unit/connector/test_nixl_progress.py)
     config = sys.modules[agent_cls.__module__].nixlBind.nixlAgentConfig()
     config.pthrDelay = 0
     assert config.pthrDelay == PROGRESS_POLL_US
@@ -822,7 +775,7 @@ from importlib import metadata  # noqa: E402
 
 from connector import seams  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SOURCE_FILES = sorted(str(p.relative_to(REPO)) for package in ("app", "connector") for p in (REPO / package).rglob("*.py"))
 UPSTREAM_PACKAGES = ("vllm", "ray", "starlette")
 PRIVATE_NAME = re.compile(r"_[a-z]\w*")
@@ -1130,7 +1083,7 @@ def test_installed_versions_are_the_pinned_ones():
         wrong += [f"{d} {v} is installed; connector/seams.py was read against {library} {pinned}"
                   for d, v in installed.items() if v.split("+")[0] != pinned]
     assert not wrong, (
-        "\n".join(wrong) + "\nUpgrading? Run `pytest tests/unit/test_seams.py`, re-read the files its failures name, "
+        "\n".join(wrong) + "\nUpgrading? Run `pytest tests/unit/connector/test_seams.py`, re-read the files its failures name, "
         "then update PINNED in connector/seams.py and the pins in pyproject.toml (README: Upgrading vLLM or Ray)."
     )
 

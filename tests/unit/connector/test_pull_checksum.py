@@ -27,7 +27,7 @@ from connector.pull_checksum import (
     PullSumsWorker,
     expected_for,
 )
-from tests.unit.test_kv_checksum import BLOCKS, Upstream, chunks_moved
+from tests.support.kv_caches import BLOCKS, Upstream, chunks_moved
 
 PREFILL = {"do_remote_decode": True}
 KEEPING = {"do_remote_prefill": True, KEEP_HISTORY_KEY: True}  # a decode leg that keeps its blocks for the next turn

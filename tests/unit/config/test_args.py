@@ -12,7 +12,7 @@ from app.config.args import Accelerator, AppArgs, IngressArgs, ModelArgs, NixlAr
 from connector.params import TransferMode
 from connector.ports import PortPlan, Role
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG_FILES = sorted((REPO / "configs").glob("*.yaml"))
 
 

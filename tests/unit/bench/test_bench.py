@@ -32,9 +32,9 @@ from bench.plots import plot_results
 from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
 from bench.results import COLUMNS, TRANSFER_COLUMNS, Transfers, make_row, merge_rows, read_results, write_results
 import bench.sweep as sweep
-from tests.unit.test_layering import HEAVY, imports_of
+from tests.support.layering import HEAVY, imports_of
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

@@ -219,9 +219,9 @@ def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monke
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
     from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
-    from tests.unit.test_seams import _decode_server
+    from tests.support.decode_server import decode_server
 
-    server = _decode_server(local_below=64, conversations=types.SimpleNamespace(retention_s=100, recompute_threshold=64))
+    server = decode_server(local_below=64, conversations=types.SimpleNamespace(retention_s=100, recompute_threshold=64))
     prompts = iter([900, 900 + new_user_tokens])
     server._prompt_token_ids = lambda request: [0] * next(prompts)
 

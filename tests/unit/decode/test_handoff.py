@@ -320,9 +320,9 @@ def test_without_late_binding_the_same_replica_decodes_what_it_had_prefilled():
 
 
 def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefill_id():
-    from tests.unit.test_seams import _decode_server, _drain
+    from tests.support.decode_server import decode_server, drain
 
-    server = _decode_server(mode="pull", late_binding=True)
+    server = decode_server(mode="pull", late_binding=True)
     server._replica_id = "other-2"
     bound, decoded = [], []
     server._metrics.bound = lambda binding, moved: bound.append((binding, moved))
@@ -333,7 +333,7 @@ def test_a_prefilled_request_is_decoded_from_the_prefill_answer_under_its_prefil
 
     server._handoff.pull_decode = pull_decode
     prefilled = Prefilled("rdv-7", {"remote_block_ids": [3]}, "entry-1")
-    chunks = _drain(server, "completions", prefilled.attach_to(CompletionRequest(model="m", prompt="x" * 50)))
+    chunks = drain(server, "completions", prefilled.attach_to(CompletionRequest(model="m", prompt="x" * 50)))
     assert chunks == ["late-chunk"] and server.paths == ["remote"]
     assert decoded == [("rdv-7", None, {"remote_block_ids": [3]})]
     assert bound == [("late", True)]

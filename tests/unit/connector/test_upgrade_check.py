@@ -86,7 +86,7 @@ def test_a_changed_signature_is_named_unless_only_optional_parameters_came_to_a_
     def step(self, req_id, handle):  # this file defines `step` again, as an override in connector/ would
         return set()
 
-    ours = _seam("fakelib.engine:Engine", "step", "method", used_by=("tests/unit/test_upgrade_check.py",))
+    ours = _seam("fakelib.engine:Engine", "step", "method", used_by=("tests/unit/connector/test_upgrade_check.py",))
     findings = check(_tree(tmp_path / "added2", {**PINNED, **added}), pinned, "vllm", [ours])
     assert [f.problem for f in findings] == [
         "signature changed: `(self, req_id, handle)` is now `(self, req_id, handle, failed=None)`"]
@@ -101,7 +101,7 @@ def test_an_override_whose_callers_went_away_is_named_though_the_method_still_ex
     def poll(self):  # noqa: F811 - this file defines `poll` again: an overridden hook, like connector/push_deadline.py
         return None
 
-    hook = _seam("fakelib.engine:Engine", "poll", "method", used_by=("tests/unit/test_upgrade_check.py",))
+    hook = _seam("fakelib.engine:Engine", "poll", "method", used_by=("tests/unit/connector/test_upgrade_check.py",))
     pinned = _tree(tmp_path / "pinned", PINNED)
     moved = {"fakelib/runner.py": "def run(engine):\n    return engine.results()\n"}
     findings = check(_tree(tmp_path / "candidate", {**PINNED, **moved}), pinned, "vllm", [hook], "fakelib")

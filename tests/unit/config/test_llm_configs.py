@@ -18,7 +18,7 @@ from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
 from connector.params import CONNECTOR_CLASS, CONNECTOR_MODULE, TransferMode
 from connector.ports import PortPlan, Role
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SOURCE = "/models/SmolLM2-135M-Instruct-v1"
 
 CPU_RAW = {

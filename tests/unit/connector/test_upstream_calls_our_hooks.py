@@ -1,6 +1,6 @@
 """vLLM's own code calls every hook our connectors override (behaviour, not existence).
 
-``tests/unit/test_seams.py`` checks that the methods we override still *exist* upstream. That
+``tests/unit/connector/test_seams.py`` checks that the methods we override still *exist* upstream. That
 passes after upstream stops *calling* one (vLLM 0.32 asks the connector for
 ``get_transfer_results`` instead of ``get_finished``): our override would silently never run.
 Here each hook is reached through vLLM's real callers, the way vLLM's own connector unit tests

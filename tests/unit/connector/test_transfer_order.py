@@ -1,7 +1,7 @@
 """connector.transfer_order: which steps start their KV transfers before the forward pass.
 
 vLLM's own metadata and scheduler output; the flag is the one vLLM's model runner reads
-(pinned in tests/unit/test_seams.py)."""
+(pinned in tests/unit/connector/test_seams.py)."""
 
 from __future__ import annotations
 

@@ -85,9 +85,9 @@ def test_a_timeline_is_one_log_line_that_reads_back():
 
 
 def _server_answering(chunks):
-    from tests.unit.test_seams import _decode_server
+    from tests.support.decode_server import decode_server
 
-    server = _decode_server()
+    server = decode_server()
 
     async def remote(request, raw=None):
         server.seen.append((request, raw))

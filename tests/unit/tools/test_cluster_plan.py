@@ -22,9 +22,9 @@ from app.tools.cluster_plan import (
     worker_group_resources,
 )
 from connector.ports import Role
-from tests.unit.test_layering import HEAVY, repo_closure
+from tests.support.layering import HEAVY, repo_closure
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 K8S = {"prefill": {"prefill_group": 100.0}, "decode": {"decode_group": 100.0}}
 CONFIG = REPO / "configs" / "local-cpu-2node.yaml"
 
