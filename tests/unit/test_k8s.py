@@ -39,7 +39,7 @@ from deploy.checks import (
 )
 from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
 from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
-from tests.unit.test_images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
+from tests.support.images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
