@@ -46,14 +46,14 @@ model: $(STAMP)
 
 # Foreground; Ctrl-C stops the app, Ray and every engine it started.
 serve: model
-	$(BIN)/python -m app.run $(CONFIG)
+	$(BIN)/python -m app.tools.run $(CONFIG)
 
 # The same app on a head, a prefill and a decode Ray node, each in its own network namespace on this
-# machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.cluster down`
+# machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.tools.cluster down`
 # removes one left behind.
 CLUSTER_CONFIG ?= configs/local-cpu-2node.yaml
 serve-cluster: model
-	$(BIN)/python -m app.cluster up $(CLUSTER_CONFIG)
+	$(BIN)/python -m app.tools.cluster up $(CLUSTER_CONFIG)
 
 test: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests
@@ -68,7 +68,7 @@ test-fast: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests/unit $(SMOKE)
 
 clean-procs:
-	$(BIN)/python -m app.procs --kill
+	$(BIN)/python -m app.tools.procs --kill
 
 # The quick benchmark (docs/benchmarks.md): push, pull and one aggregated engine, < 15 min on 2 cores.
 bench-quick: model

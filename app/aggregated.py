@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.args import AppArgs
-from app.llm_configs import llm_config
+from app.config.args import AppArgs
+from app.config.llm_configs import llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.ports import Role
 
@@ -22,7 +22,7 @@ IGNORED_KEYS = ("mode", "prefill", "nixl", "routing")
 def aggregated_llm_config(args: AppArgs, model_source: str) -> dict[str, Any]:
     """The decode role's ``LLMConfig`` dict without KV transfer (pure).
 
-    Built from :func:`app.llm_configs.llm_config`, so model, engine kwargs, CPU defaults,
+    Built from :func:`app.config.llm_configs.llm_config`, so model, engine kwargs, CPU defaults,
     placement and replicas follow the same rules; the engine environment that the
     connector backend would apply goes into ``runtime_env`` instead.
     """

@@ -3,7 +3,7 @@
 Graph: ingress (OpenAI HTTP) → decode deployment (picked on arrival by Serve's router,
 orchestrates) → prefill deployment (bound by the decode replica before dispatch). In pull
 mode with late binding the ingress sends a prefilled request through the decode router
-once more (``app.late_binding``).
+once more (``app.routing.late_binding``).
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from ray.llm._internal.serve.core.ingress.ingress import make_fastapi_ingress
 from ray.llm._internal.serve.core.server.builder import build_llm_deployment
 from ray.serve.deployment import Application
 
-from app.args import AppArgs
-from app.ingress import ENDPOINTS, Ingress, make_app
-from app.llm_configs import ingress_actor_options, llm_config
+from app.config.args import AppArgs
+from app.config.llm_configs import ingress_actor_options, llm_config
+from app.decode.server import DecodeServer
+from app.ingress.readiness import DECODE_PREFIX, PREFILL_PREFIX, ReadinessProbe
+from app.ingress.server import ENDPOINTS, Ingress, make_app
 from app.model_source import resolve_model_source
-from app.readiness import DECODE_PREFIX, PREFILL_PREFIX, ReadinessProbe
-from app.servers import DecodeServer, PrefillServer
+from app.prefill.server import PrefillServer
 from connector.ports import Role
 
-logger = logging.getLogger("ray.serve.rendezvous.builder")
+logger = logging.getLogger("ray.serve." + __name__)
 
 
 def build_app(args: dict[str, Any] | AppArgs | None = None) -> Application:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from app.procs import RAY_SESSION
+from app.tools.procs import RAY_SESSION
 from bench.engine_metrics import scrape
 
 

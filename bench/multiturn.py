@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from app.args import AppArgs
+from app.config.args import AppArgs
 
 NOT_AVAILABLE = "conversation reuse is not available in this build; reporting the no-reuse baseline only"
 ARMS = ("no-reuse", "reuse")
@@ -203,7 +203,7 @@ def run_multiturn(
 
     from app.model_source import resolve_model_source
     from bench.profiles import app_args_of, load_config
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
     from bench.sweep import log, running_app
 
     config = load_config(config_path)

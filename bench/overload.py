@@ -1,7 +1,7 @@
 """``python -m bench overload``: does admission keep its promise past what the box sustains?
 
 Three arms, each its own app start: ``fixed`` (``ingress.ttft_slo_s: null``: the ``max_in_flight`` count
-alone, as before app/admission.py), ``adaptive`` (admission by expected time to first byte against
+alone, as before app/routing/admission.py), ``adaptive`` (admission by expected time to first byte against
 ``--slo-s``, and a stream queue deadline) and ``whole`` (``adaptive``'s app, but the requests are not
 streamed and their client gives up at the SLO: admission must judge the time to the *last* token). First
 the sustainable rate is measured (a closed loop on the fixed arm: completed requests per second with
@@ -177,7 +177,7 @@ def _arm_config(config_path: str, arm: str, load: OverloadLoad, out_dir: Path) -
 
 
 def run_overload(config_path: str, out_dir: Path, load: OverloadLoad, arms=ARMS, factors=FACTORS) -> list[dict]:
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
     from bench.profiles import app_args_of, load_config
 
     out_dir = Path(out_dir)
@@ -227,7 +227,7 @@ async def burst(url: str, model: str, load: OverloadLoad, count: int) -> list[Ou
 
 def run_burst(config_path: str, out_dir: Path, load: OverloadLoad, count: int) -> dict:
     """The config as it is (its own SLO and queue deadline), ``count`` whole requests at once."""
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
     from bench.profiles import app_args_of, load_config
 
     out_dir = Path(out_dir)

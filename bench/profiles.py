@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from app.args import AppArgs
+from app.config.args import AppArgs
 from connector.ports import Role
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ class ProfileError(ValueError):
 class Timing:
     """What the budget assumes about one hardware class (seconds)."""
 
-    app_start_s: float  # `python -m app.run` until the first tiny request succeeds
+    app_start_s: float  # `python -m app.tools.run` until the first tiny request succeeds
     app_stop_s: float  # Ctrl-C until every process has ended
     prefill_s_per_1k: float  # one prompt's prefill per 1k input tokens, no contention
     tpot_s: float  # one output token, light load

@@ -2,7 +2,7 @@
 
 Every other request is a long generation, the rest are short; arrivals are Poisson. Round
 robin over two decode replicas then sends every long generation to the same replica,
-while the load-aware router (``app/decode_router.py``) sees where the work is. For each
+while the load-aware router (``app/routing/decode_router.py``) sees where the work is. For each
 placement the command starts the app (1 prefill : 2 decode by default) with
 ``routing.decode_router`` set, sends the same requests (same seed), stops the app, and
 reports TTFT and TPOT percentiles of the short and the long requests and how many
@@ -132,7 +132,7 @@ def _config_with(config_path: str, placement: str, out_dir: Path) -> str:
 
 def run_skew(config_path: str, out_dir: Path, load: SkewLoad, placements=PLACEMENTS) -> list[Placement]:
     from bench.profiles import app_args_of, load_config
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
 
     config = load_config(config_path)
     model, url = app_args_of(config).model.id, base_url_of(config)

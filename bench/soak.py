@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from app.procs import engine_processes, find_processes
+from app.tools.procs import engine_processes, find_processes
 from bench.engine_metrics import RoleMetrics, counted_by
 from bench.faults import healthy_replicas, worker_pid
 from bench.sweep import log, running_app
@@ -170,7 +170,7 @@ def run_soak(
     seed: int = 0,
 ) -> SoakReport:
     from bench.profiles import app_args_of, load_config
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
 
     config = load_config(config_path)
     model, url = app_args_of(config).model.id, base_url_of(config)

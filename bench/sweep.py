@@ -4,7 +4,7 @@ A *point* is one (input length, request rate) load run by vLLM's benchmark clien
 (:func:`run_point`); around it we read the engines' NIXL metrics from Ray's Prometheus
 export, so each row also says how many KV transfers the point caused and roughly how
 many bytes they moved. The app is started exactly as ``make serve`` starts it
-(``python -m app.run CONFIG`` in its own process group) and stopped with Ctrl-C; a run
+(``python -m app.tools.run CONFIG`` in its own process group) and stopped with Ctrl-C; a run
 that leaves any process behind is an error.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from app.model_source import resolve_model_source
-from app.procs import AppProcess, base_url_of, busy_ports, kill_run
+from app.tools.procs import AppProcess, base_url_of, busy_ports, kill_run
 from bench import client
 from bench.engine_metrics import RoleMetrics, Snapshot, histogram_estimate, total_delta
 from bench.plots import plot_results

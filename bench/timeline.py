@@ -4,7 +4,7 @@ For each mode (push, pull) the command starts the app with short prompts served 
 alone (``routing.local_prefill_below_tokens``), then repeats a cycle: a long prompt
 (disaggregated), a short one while the long one is being prefilled (decode is waiting for
 its KV then: in push, asleep), and a short one alone. Each request's timeline comes from
-the app's log (one ``rendezvous_timeline`` line per request, app/timeline.py), matched to
+the app's log (one ``rendezvous_timeline`` line per request, app/request/timeline.py), matched to
 the client's request by the response id. Output: ``timeline.json`` (every request's
 stamps and stages), ``timeline.csv`` (median stage durations per mode and kind),
 ``waterfall.png`` (one bar per request, one colour per stage) and a Markdown table.
@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from app.timeline import STAGES, RequestTimeline
+from app.request.timeline import STAGES, RequestTimeline
 from bench.sweep import log, running_app
 
 MODES = {"push": "configs/local-cpu.yaml", "pull": "configs/local-cpu-pull.yaml"}
@@ -118,7 +118,7 @@ def _config_with_local_shorts(config_path: str, load: TimelineLoad, out_dir: Pat
 
 def run_timeline(out_dir: Path, load: TimelineLoad, modes: dict[str, str] = MODES) -> list[Sample]:
     from bench.profiles import app_args_of, load_config
-    from app.procs import base_url_of
+    from app.tools.procs import base_url_of
 
     out_dir = Path(out_dir)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,8 @@
 """Faults injected on purpose, for tests and benchmarks only (vLLM-side and app-side; imports nothing heavy:
-``app.preflight`` reads it before anything starts).
+``app.tools.preflight`` reads it before anything starts).
 
 With ``RENDEZVOUS_KV_FAULT_FILE`` naming a file
-(and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.preflight`` refuses the first without the second), each
+(and ``RENDEZVOUS_TEST_FAULTS=1``; ``app.tools.preflight`` refuses the first without the second), each
 transfer reads the file: ``flip`` makes decode corrupt a byte of a WRITE that landed before its
 check (as a bad transport would), ``flip-history`` the same on prefill for a history READ,
 ``shift`` makes prefill write every block into its neighbour's slot (pull: decode reads them so,

@@ -2,7 +2,7 @@
 
 The orchestrator works with typed objects (:class:`PeerIdentity`); this module turns
 them into the dicts vLLM expects on each leg. Pinned to vLLM 0.32's NIXL push/pull
-connectors (see ``tests/unit/test_params.py`` for the seam).
+connectors (see ``tests/unit/connector/test_params.py`` for the seam).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ CONNECTOR_MODULE = "connector.vllm_connectors"
 CONNECTOR_CLASS = {TransferMode.PUSH: "RendezvousPushConnector", TransferMode.PULL: "RendezvousPullConnector"}
 
 # Push, per request (the decode leg's kv_transfer_params): seconds from registering its blocks to their
-# expiry, sized to the request's own work by the orchestrator (app/deadlines.py); the engine's
+# expiry, sized to the request's own work by the orchestrator (app/request/deadlines.py); the engine's
 # ConnectorSettings.kv_timeout_s (connector/settings.py) is the default for a leg that does not say.
 KV_DEADLINE_KEY = "rendezvous_kv_deadline_s"
 # Pull: the sums of the KV a prefill leg leaves for decode to READ, in prefill's response and so in

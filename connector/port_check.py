@@ -2,7 +2,7 @@
 
 A second app on the same host used to hang: vLLM's NIXL side-channel listener died in its
 thread (``ZMQError: Address already in use``) while the replica stayed "initializing" for
-good. ``app.preflight`` checks every planned port before anything starts; the engine
+good. ``app.tools.preflight`` checks every planned port before anything starts; the engine
 backend checks its own side channel before starting its engine (``connector.ray_backend``).
 """
 

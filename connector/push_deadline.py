@@ -4,7 +4,7 @@ Upstream, a decode request whose prefill never WRITEs (prefill dead, stalled, or
 aborted) waits forever, and if it is aborted its blocks are never freed (vLLM frees them
 only once the KV arrived). Decode now stamps each registration with a wall-clock expiry:
 the seconds its decode leg says (``KV_DEADLINE_KEY``: the orchestrator sizes them to the
-request's work, ``app.deadlines``), else ``rendezvous_kv_timeout_s`` in
+request's work, ``app.request.deadlines``), else ``rendezvous_kv_timeout_s`` in
 ``kv_connector_extra_config``; past it, the decode worker
 reports the load as failed, so the scheduler recomputes the prompt locally
 (``kv_load_failure_policy: recompute``) or, for an aborted request, frees its blocks.

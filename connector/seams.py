@@ -2,12 +2,12 @@
 repository touches, in one list: what it is, who uses it and why (pure data; imports
 neither Ray, vLLM nor ``app``).
 
-Upstream can rename or reshape any of these in a patch release. ``tests/unit/test_seams.py``
+Upstream can rename or reshape any of these in a patch release. ``tests/unit/connector/test_seams.py``
 resolves every entry against the installed packages and fails with the entry's own words
 ("vllm 0.32.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
 also fails when code in ``app/`` or ``connector/`` starts using a private name or module
 that is not listed here. So: a new private use gets an entry, and an upgrade starts with
-``pytest tests/unit/test_seams.py`` (README: "Upgrading vLLM or Ray").
+``pytest tests/unit/connector/test_seams.py`` (docs/upgrading.md).
 
 An entry:
 
@@ -103,7 +103,7 @@ _META = f"{_NIXL}.metadata"
 _RLLM = "ray.llm._internal.serve"
 _PD = f"{_RLLM}.serving_patterns.prefill_decode.pd_server"
 _ROUTER = "ray.serve._private.request_router.request_router"
-_T = "tests/unit/test_seams.py::"
+_T = "tests/unit/connector/test_seams.py::"
 T_PUSH = _T + "test_vllm_push_internals_our_overrides_use"
 T_IDLE = _T + "test_vllm_engine_loop_internals_the_idle_wait_relies_on"
 T_PULL = _T + "test_vllm_pull_read_back_internals_we_rely_on"
@@ -131,7 +131,7 @@ _CHECKSUM = ("connector/kv_checksum.py",)
 _PULL_SUMS = ("connector/pull_checksum.py",)
 _READ_DEADLINE = ("connector/pull_deadline.py",)
 _ORDER = ("connector/transfer_order.py",)
-_ROUTERS = ("app/decode_router.py", "app/prefill_router.py")
+_ROUTERS = ("app/routing/decode_router.py", "app/routing/prefill_router.py")
 
 SEAMS: list[Seam] = [
     # ------------------------------------------------------------------ vLLM: the connectors we load
@@ -156,13 +156,13 @@ SEAMS: list[Seam] = [
          "carry reuse offers worker -> scheduler (ReuseOffers; aggregate() merges ranks)"),
     Seam("vllm", "vllm.config.vllm:VllmConfig", "max_concurrent_batches", "attribute", _IDLE,
          "keep the idle wait off where the engine core runs a batch queue (async scheduling, pipeline parallel)",
-         checked_by="tests/unit/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
+         checked_by="tests/unit/connector/test_idle_wait.py::test_no_idle_wait_where_the_engine_runs_a_batch_queue"),
     # ------------------------------------------------------------------ vLLM: push scheduler (decode and prefill)
     Seam("vllm", f"{_NIXL}.push_scheduler", "NixlPushConnectorScheduler", "import", _PUSH_CONN,
          "subclass the push scheduler (PushScheduler: our features composed in)"),
     *_each("vllm", _PUSH_S, ("get_num_new_matched_tokens", "update_state_after_alloc", "update_connector_output",
                              "request_finished", "build_connector_meta", "on_new_request"), "method", _PUSH_CONN,
-           "override the scheduler-side connector hooks (same signatures); tests/unit/test_upstream_calls_our_hooks.py "
+           "override the scheduler-side connector hooks (same signatures); tests/unit/connector/test_upstream_calls_our_hooks.py "
            "proves vLLM calls each", checked_by=T_IDLE),
     Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
          "stamp each registration with an expiry and add the reuse offer before vLLM sends it", checked_by=T_PUSH),
@@ -183,7 +183,7 @@ SEAMS: list[Seam] = [
     *_each("vllm", _PUSH_W, ("start_load_kv", "get_transfer_results", "_do_start_push_kv", "_handle_push_reg_notif",
                              "_get_new_notifs", "_xfer_blocks_for_req", "_pop_done_transfers", "_do_send_reg_notif"),
            "method", _PUSH_CONN, "override the worker's transfer steps (same signatures); "
-           "tests/unit/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
+           "tests/unit/connector/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM,
            "send decode's agents the WRITE's start, the KV's sums and an aborted leg (nixl_wrapper.send_notif, as vLLM "
            "sends its PUSH_REG)",
@@ -337,7 +337,7 @@ SEAMS: list[Seam] = [
          "see whether every unfinished request only waits for remote KV: the scheduler tells the connector of each "
          "request it adds (on_new_request), as it does of each it ends (request_finished)",
          snippet="self.connector.on_new_request(request)",
-         checked_by="tests/unit/test_upstream_calls_our_hooks.py::test_vllm_reaches_our_hook"),
+         checked_by="tests/unit/connector/test_upstream_calls_our_hooks.py::test_vllm_reaches_our_hook"),
     Seam("vllm", "vllm.v1.executor.multiproc_executor:WorkerProc", "monitor_death_pipe", "method", _IDLE,
          "find the worker's RPC reader (rpc_reader): the death-pipe thread's argument, the RPC reader first",
          snippet="args=([self.rpc_broadcast_mq, self.worker_response_mq],),", silent=True, checked_by=T_IDLE),
@@ -375,7 +375,7 @@ SEAMS: list[Seam] = [
     *_each("vllm", "vllm.v1.kv_cache_interface:KVCacheConfig", ("kv_cache_groups",), "attribute", _REUSE,
            "reuse only single-group KV; size its bytes per token"),
     # The engine's config: bytes per token of KV (connector/params.py kv_bytes_per_token, for the reuse
-    # report and decode's accounting), block size, context length and KV capacity (app/servers.py).
+    # report and decode's accounting), block size, context length and KV capacity (app/decode/server.py).
     *_per("vllm", "vllm.config.model:ModelConfig", "method", {
         "get_total_num_hidden_layers": ("connector/params.py",),
         "get_total_num_kv_heads": ("connector/params.py",),
@@ -383,12 +383,12 @@ SEAMS: list[Seam] = [
     }, "count the KV bytes of one token, all layers and tensor parallel ranks"),
     Seam("vllm", "vllm.config.model:ModelConfig", "dtype", "attribute", ("connector/params.py",),
          "count the KV bytes of one token (its item size)"),
-    Seam("vllm", "vllm.config.model:ModelConfig", "max_model_len", "attribute", ("app/servers.py",),
-         "serve on decode alone what a prefill leg cannot (app/eligibility.py)", silent=True),
+    Seam("vllm", "vllm.config.model:ModelConfig", "max_model_len", "attribute", ("app/decode/server.py",),
+         "serve on decode alone what a prefill leg cannot (app/routing/eligibility.py)", silent=True),
     *_per("vllm", "vllm.config.cache:CacheConfig", "attribute", {
         "cache_dtype": ("connector/params.py",),
-        "block_size": ("app/servers.py",),
-        "num_gpu_blocks": ("app/servers.py",),
+        "block_size": ("app/decode/server.py",),
+        "num_gpu_blocks": ("app/decode/server.py",),
     }, "size the KV per token (fp8 or not); count history in blocks; publish the KV capacity for routing"),
     Seam("vllm", _BASE_S, "vllm_config", "instance", _REUSE, "size the KV bytes per token of the reuse report"),
     # ------------------------------------------------------------------ vLLM: transfers before the forward
@@ -400,7 +400,7 @@ SEAMS: list[Seam] = [
          "_get_kv_connector_output", "behaviour", _ORDER,
          "start a step's KV transfers before its forward where the forward blocks (CPU): the flag only orders them",
          snippet="start_after_forward = not scheduler_output.has_sync_kv_loads",
-         checked_by="tests/unit/test_transfer_order.py::test_vllm_starts_loads_before_the_forward_only_when_told"),
+         checked_by="tests/unit/connector/test_transfer_order.py::test_vllm_starts_loads_before_the_forward_only_when_told"),
     # ------------------------------------------------------------------ vLLM: elsewhere
     Seam("vllm", "vllm.v1.core.sched.scheduler:Scheduler", "schedule", "behaviour", _REUSE,
          "hold a prefill back while its offer is due: a None match means 'ask again next step'", checked_by=T_PUSH),
@@ -408,18 +408,18 @@ SEAMS: list[Seam] = [
          ("connector/params.py",), "predict the engine's request id (chatcmpl-/cmpl- + ours) that prefill leases under",
          checked_by=_T + "test_vllm_internal_request_id_prefixes"),
     Seam("vllm", "vllm.entrypoints.openai.chat_completion.serving:OpenAIServingChat", "chat_completion_full_generator",
-         "behaviour", ("app/planner.py",), "keep pull history only for non-streamed turns (streams carry no params)",
+         "behaviour", ("app/routing/planner.py",), "keep pull history only for non-streamed turns (streams carry no params)",
          checked_by=T_PULL),
-    Seam("vllm", "vllm.entrypoints.serve.utils.api_utils", "get_max_tokens", "behaviour", ("app/eligibility.py",),
+    Seam("vllm", "vllm.entrypoints.serve.utils.api_utils", "get_max_tokens", "behaviour", ("app/routing/eligibility.py",),
          "disaggregate a request that asks for more output than the context holds: vLLM serves it, its output "
          "bounded by the context (0.29 refused it with a 400, and decode served it alone to refuse it)",
          snippet="model_max_tokens = max_model_len - input_length",
-         checked_by="tests/unit/test_eligibility.py::"
+         checked_by="tests/unit/routing/test_eligibility.py::"
                     "test_vllm_serves_a_request_for_more_output_than_the_context_holds_bounded_by_it"),
     Seam("vllm", "vllm.envs", "environment_variables", "behaviour", ("connector/engine_env.py",),
          "set the side channel, request id and CPU env vars vLLM reads",
          checked_by=_T + "test_vllm_reads_the_env_we_set"),
-    Seam("vllm", "vllm.exceptions", "VLLMClientError", "import", ("app/ingress.py",),
+    Seam("vllm", "vllm.exceptions", "VLLMClientError", "import", ("app/ingress/server.py",),
          "tell a request model's rejection (left to the endpoint) from a crash (our 400)"),
     Seam("vllm", "vllm.distributed.nixl_utils", "NixlWrapper", "import", ("connector/nixl_progress.py",),
          "load NIXL the way vLLM's connector will, to swap its agent config class", checked_by=T_NIXL),
@@ -434,20 +434,20 @@ SEAMS: list[Seam] = [
            checked_by=T_HELPERS),
     Seam("ray", f"{_RLLM}.engines.vllm.kv_transfer.factory", "KVConnectorBackendFactory", "import",
          ("connector/ray_backend.py",), "register our backends under our vLLM connector names", checked_by=T_FACTORY),
-    # Node initialization (app/node_init.py): Ray's per-node download tasks run only for a cloud mirror.
-    Seam("ray", "ray.llm._internal.common.callbacks.base", "CallbackBase", "import", ("app/node_init.py",),
+    # Node initialization (app/replica/node_init.py): Ray's per-node download tasks run only for a cloud mirror.
+    Seam("ray", "ray.llm._internal.common.callbacks.base", "CallbackBase", "import", ("app/replica/node_init.py",),
          "hook Ray Serve LLM's engine start (LLMConfig.callback_config) before its node initialization"),
     Seam("ray", "ray.llm._internal.common.callbacks.base:CallbackCtx", "run_init_node", "attribute",
-         ("app/node_init.py",), "skip the per-node download tasks (a vLLM import each) when nothing is to download"),
-    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "start", "behaviour", ("app/node_init.py",),
+         ("app/replica/node_init.py",), "skip the per-node download tasks (a vLLM import each) when nothing is to download"),
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "start", "behaviour", ("app/replica/node_init.py",),
          "the engine start asks the callback before running node initialization",
          snippet="if callback.ctx.run_init_node:",
-         checked_by="tests/unit/test_llm_configs.py::test_node_initialization_runs_only_where_ray_would_download_the_model"),
+         checked_by="tests/unit/config/test_llm_configs.py::test_node_initialization_runs_only_where_ray_would_download_the_model"),
     Seam("ray", "ray.llm._internal.common.utils.download_utils", "download_model_files", "behaviour",
-         ("app/node_init.py",), "without a mirror or a remote path the node task downloads nothing (so skipping it loses nothing)",
+         ("app/replica/node_init.py",), "without a mirror or a remote path the node task downloads nothing (so skipping it loses nothing)",
          snippet='logger.info("No cloud storage mirror configured")',
          checked_by=_T + "test_ray_node_initialization_downloads_nothing_without_a_mirror"),
-    Seam("ray", "ray.llm._internal.common.utils.cloud_utils", "is_remote_path", "import", ("app/node_init.py",),
+    Seam("ray", "ray.llm._internal.common.utils.cloud_utils", "is_remote_path", "import", ("app/replica/node_init.py",),
          "tell a cloud model path (downloaded by the node tasks) by Ray's own rule"),
     # Metrics export (bench/engine_metrics.py): the test apps export every 2 s, and gauges must outlive it.
     Seam("ray", "ray._private.telemetry.open_telemetry_metric_recorder:OpenTelemetryMetricRecorder",
@@ -463,8 +463,8 @@ SEAMS: list[Seam] = [
          ("connector/ray_backend.py",), "have Ray create our backend by kv_transfer_config['kv_connector']",
          checked_by=_T + "test_llmconfig_creates_the_backend_by_kv_connector_name"),
     *_each("ray", f"{_RLLM}.core.configs.openai_api_models", ("ChatCompletionRequest", "CompletionRequest"), "import",
-           ("app/ingress.py",), "pre-validate generation bodies with the endpoints' own models"),
-    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "ErrorResponse", "import", ("app/handoff.py", "app/servers.py"),
+           ("app/ingress/server.py",), "pre-validate generation bodies with the endpoints' own models"),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "ErrorResponse", "import", ("app/decode/handoff.py", "app/decode/server.py"),
          "tell an error chunk from a response"),
     Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "to_model_metadata", "import", ("app/builder.py",),
          "publish the model card"),
@@ -472,79 +472,81 @@ SEAMS: list[Seam] = [
          "build the prefill and decode deployments with our server classes",
          checked_by=_T + "test_build_llm_deployment_signature"),
     *_each("ray", f"{_RLLM}.core.ingress.ingress", ("OpenAiIngress", "DEFAULT_ENDPOINTS", "init"), "import",
-           ("app/ingress.py",), "extend Ray's OpenAI ingress (routes, the FastAPI app)"),
+           ("app/ingress/server.py",), "extend Ray's OpenAI ingress (routes, the FastAPI app)"),
     Seam("ray", f"{_RLLM}.core.ingress.ingress", "make_fastapi_ingress", "import", ("app/builder.py",),
          "make the ingress deployment from our Ingress class"),
-    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_response", "method", ("app/ingress.py",),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_response", "method", ("app/ingress/server.py",),
          "late binding: send a prefilled request through the decode router once more", checked_by=T_RESPONSE),
-    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_process_llm_request", "method", ("app/ingress.py",),
+    Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_process_llm_request", "method", ("app/ingress/server.py",),
          "retry a request whose decode replica died; end a failed stream with an error event; a stream's queue deadline",
          checked_by=T_STREAM),
     Seam("ray", f"{_RLLM}.core.ingress.ingress:OpenAiIngress", "_get_configured_serve_handle", "method",
-         ("app/ingress.py",), "keep the decode deployment's calls of a request, for its queue deadline to cancel",
+         ("app/ingress/server.py",), "keep the decode deployment's calls of a request, for its queue deadline to cancel",
          checked_by=T_HANDLE),
-    Seam("ray", f"{_RLLM}.core.server.llm_server", "LLMServer", "import", ("app/servers.py",),
+    Seam("ray", f"{_RLLM}.core.server.llm_server", "LLMServer", "import", ("app/decode/server.py",),
          "call decode's own engine (LLMServer.chat/completions, skipping the PD orchestration)"),
-    *_each("ray", f"{_RLLM}.core.server.llm_server:LLMServer", ("chat", "completions"), "method", ("app/servers.py",),
+    *_each("ray", f"{_RLLM}.core.server.llm_server:LLMServer", ("chat", "completions"), "method", ("app/decode/server.py",),
            "prefill locally on decode's engine (called unbound on self)", checked_by=T_PD),
-    Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "engine", "instance", ("app/servers.py",),
+    Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "engine", "instance", ("app/decode/server.py",),
          "reach the vLLM engine client for block size, max_model_len and KV capacity"),
-    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "_engine_client", "instance", ("app/servers.py",),
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "_engine_client", "instance", ("app/decode/server.py",),
          "read vllm_config: block size, max_model_len (eligibility), KV capacity (routing stats)", silent=True),
-    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "vllm_config", "instance", ("app/servers.py",),
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "vllm_config", "instance", ("app/decode/server.py",),
          "read block size, max_model_len and KV capacity", silent=True),
     # The queue deadline of whole answers: has the engine produced a request's first token? A rename
-    # reads as "cannot tell", which never aborts (app/queue_deadline.py logs it).
-    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "output_processor", "instance", ("app/servers.py",),
+    # reads as "cannot tell", which never aborts (app/request/queue_deadline.py logs it).
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "output_processor", "instance", ("app/decode/server.py",),
          "ask whether a request's first token is out (queue deadline of whole answers)", silent=True),
     *_each("vllm", "vllm.v1.engine.output_processor:OutputProcessor", ("request_states", "external_req_ids"), "instance",
-           ("app/queue_deadline.py",), "find a request's engine states by its external id (queue deadline)"),
-    Seam("vllm", "vllm.v1.engine.output_processor:RequestState", "is_prefilling", "instance", ("app/queue_deadline.py",),
+           ("app/request/queue_deadline.py",), "find a request's engine states by its external id (queue deadline)"),
+    Seam("vllm", "vllm.v1.engine.output_processor:RequestState", "is_prefilling", "instance", ("app/request/queue_deadline.py",),
          "tell a request with its first token out from one still waiting (queue deadline)"),
-    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "generate", "method", ("app/queue_deadline.py",),
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "generate", "method", ("app/request/queue_deadline.py",),
          "abort a whole answer's engine request by cancelling the task that awaits it",
          snippet="except (asyncio.CancelledError, GeneratorExit):\n            if q is not None:\n                await self.abort("),
     Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "_maybe_add_request_id_to_request", "behaviour",
-         ("app/servers.py",), "reach both engines under our transfer id, not Serve's",
+         ("app/decode/server.py",), "reach both engines under our transfer id, not Serve's",
          checked_by=_T + "test_llm_server_keeps_an_explicitly_set_request_id"),
     Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine", "_canonicalize_request_id_header", "behaviour",
-         ("app/servers.py",), "make our transfer id vLLM's X-Request-Id",
+         ("app/decode/server.py",), "make our transfer id vLLM's X-Request-Id",
          checked_by=_T + "test_vllm_engine_makes_the_request_id_the_x_request_id_header"),
-    *_each("ray", _PD, ("PDDecodeServer", "PDPrefillServer"), "import", ("app/servers.py",),
-           "subclass Ray's PD servers (DecodeServer, PrefillServer)", checked_by=T_PD),
-    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_pd_handle_request", "method", ("app/servers.py", "app/handoff.py"),
+    Seam("ray", _PD, "PDDecodeServer", "import", ("app/decode/server.py",),
+         "subclass Ray's PD servers (DecodeServer, PrefillServer)", checked_by=T_PD),
+    Seam("ray", _PD, "PDPrefillServer", "import", ("app/prefill/server.py",),
+         "subclass Ray's PD servers (DecodeServer, PrefillServer)", checked_by=T_PD),
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_pd_handle_request", "method", ("app/decode/server.py", "app/decode/handoff.py"),
          "run Ray's push orchestration (both legs at once), which calls back our _concurrent_decode", checked_by=T_PD),
-    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_concurrent_decode", "method", ("app/servers.py", "app/handoff.py"),
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_concurrent_decode", "method", ("app/decode/server.py", "app/decode/handoff.py"),
          "put a deadline on the prefill leg (override; Ray calls it with cancel_on_failure=False)",
          checked_by=T_CONCURRENT),
-    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_get_connector_backend", "method", ("app/servers.py",),
-         "shape the pull legs (app/handoff.py) with the replica's connector backend"),
-    Seam("ray", f"{_PD}:PDDecodeServer", "_prefill_handle", "instance", ("app/servers.py",),
-         "send pull-mode prefill legs (app/handoff.py; a streaming handle: it reads the first chunk); if it "
+    Seam("ray", f"{_PD}:PDOrchestratorMixin", "_get_connector_backend", "method", ("app/decode/server.py",),
+         "shape the pull legs (app/decode/handoff.py) with the replica's connector backend"),
+    Seam("ray", f"{_PD}:PDDecodeServer", "_prefill_handle", "instance", ("app/decode/server.py",),
+         "send pull-mode prefill legs (app/decode/handoff.py; a streaming handle: it reads the first chunk); if it "
          "went, every pull request would fall back to a local prefill", snippet="self._prefill_handle = prefill_server.options(stream=True)",
          silent=True),
     Seam("ray", f"{_PD}:PDPrefillServer", "record_replica_metadata", "behaviour", ("connector/ray_backend.py",),
          "publish replica_metadata() (the NIXL identity) to the binding decode replica", checked_by=T_PD),
-    Seam("ray", f"{_PD}", "_drain_prefill", "behaviour", ("app/handoff.py",),
+    Seam("ray", f"{_PD}", "_drain_prefill", "behaviour", ("app/decode/handoff.py",),
          "drain push-mode prefill responses as Ray does, keeping their kv_transfer_params", checked_by=T_CONCURRENT),
     # ------------------------------------------------------------------ Ray Serve: request routers (ray.serve._private)
     *_each("ray", _ROUTER, ("RequestRouter", "FIFOMixin"), "import", _ROUTERS, "write our load-aware request routers"),
     *_per("ray", f"{_ROUTER}:RequestRouter", "method", {
         "initialize_state": _ROUTERS,
         "choose_replicas": _ROUTERS,
-        "on_send_request": ("app/decode_router.py",),
+        "on_send_request": ("app/routing/decode_router.py",),
         "on_request_completed": _ROUTERS,
     }, "plug into Serve's routing (overridden hooks)"),
-    Seam("ray", f"{_ROUTER}:RequestRouter", "update_replicas", "method", ("app/prefill_router.py",),
+    Seam("ray", f"{_ROUTER}:RequestRouter", "update_replicas", "method", ("app/routing/prefill_router.py",),
          "hand the prefill cost each replica publishes to the decode replica's deadlines at every change of it, "
          "not only at picks (overridden)", checked_by=_T + "test_serve_hands_a_router_every_change_of_the_published_stats"),
     Seam("ray", f"{_ROUTER}:RequestRouter", "replica_queue_len_cache", "attribute", _ROUTERS,
          "read Serve's probed queue length per replica (a property of a class in a private module)"),
     Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "args", "attribute", _ROUTERS,
          "read the request body (prompt length) and raw request info (X-Conversation-Id)", silent=True),
-    Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "metadata", "attribute", ("app/prefill_router.py",),
+    Seam("ray", "ray.serve._private.request_router.common:PendingRequest", "metadata", "attribute", ("app/routing/prefill_router.py",),
          "key legs in flight by Serve's request id"),
-    Seam("ray", "ray.serve._private.common:RequestMetadata", "internal_request_id", "attribute", ("app/prefill_router.py",),
+    Seam("ray", "ray.serve._private.common:RequestMetadata", "internal_request_id", "attribute", ("app/routing/prefill_router.py",),
          "key legs in flight (matched in on_request_completed)"),
     *_each("ray", "ray.serve._private.request_router.replica_wrapper:RunningReplica", ("replica_id", "routing_stats"),
            "attribute", _ROUTERS, "score replicas on what each DecodeServer/PrefillServer publishes"),
@@ -552,11 +554,11 @@ SEAMS: list[Seam] = [
          "plan each replica's NIXL side-channel port by rank"),
     Seam("ray", "ray.serve.schema:ReplicaRank", "rank", "attribute", ("connector/ray_backend.py",),
          "plan each replica's NIXL side-channel port by rank (context.rank is a ReplicaRank, not an int)"),
-    Seam("ray", "ray._common.constants", "HEAD_NODE_RESOURCE_NAME", "import", ("app/llm_configs.py",),
+    Seam("ray", "ray._common.constants", "HEAD_NODE_RESOURCE_NAME", "import", ("app/config/llm_configs.py",),
          "place the ingress on the head node by the head's own resource (named by value there; "
-         "tests/unit/test_llm_configs.py checks the value)"),
+         "tests/unit/config/test_llm_configs.py checks the value)"),
     # ------------------------------------------------------------------ Starlette
-    Seam("starlette", "starlette.requests:Request", "_body", "instance", ("app/ingress.py",),
+    Seam("starlette", "starlette.requests:Request", "_body", "instance", ("app/ingress/server.py",),
          "replace the body the endpoint reads (a body conversation_id moved into the header)",
-         checked_by="tests/unit/test_ingress.py::test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it"),
+         checked_by="tests/unit/ingress/test_server.py::test_a_body_conversation_id_moves_into_the_header_and_vllm_never_sees_it"),
 ]

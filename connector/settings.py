@@ -1,6 +1,6 @@
 """Our connectors' settings, parsed once from vLLM's ``kv_connector_extra_config`` (vLLM-side; no Ray, no ``app``).
 
-The app writes them (``app.llm_configs``: :meth:`ConnectorSettings.extra`) and each connector reads them once, at
+The app writes them (``app.config.llm_configs``: :meth:`ConnectorSettings.extra`) and each connector reads them once, at
 its construction (:meth:`ConnectorSettings.parse`), then hands its features what they need. Our keys share the
 ``rendezvous_`` prefix. A prefixed key we do not know is refused, with the list of those we do: a misspelt key
 would otherwise leave a feature at its default without a word. vLLM's own keys in the same dict are vLLM's to

@@ -1,6 +1,6 @@
 """What the engines see of a request's stages (vLLM-side; no Ray, no ``app``).
 
-The orchestrator times every stage of a request it can see (app/timeline.py); what
+The orchestrator times every stage of a request it can see (app/request/timeline.py); what
 happens inside the engines it cannot. Their connector schedulers see it:
 
 * prefill: the leg's arrival at the engine (``Request.arrival_time``, stamped by vLLM's

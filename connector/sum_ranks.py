@@ -13,7 +13,7 @@ chunk's sum, which the sender must have summed apart: it sums every block in ``p
 chunks. Equal TP sizes are the case ``k = 1``, with nothing to add and no chunk to cut.
 
 Not covered (``why_unpaired`` says so): TP sizes neither of which divides the other (vLLM cannot
-move KV between them, and app.args refuses them), more ranks than KV heads (ranks then share heads
+move KV between them, and app.config.args refuses them), more ranks than KV heads (ranks then share heads
 and vLLM reads each head once), and MLA, whose latent is the same on every rank.
 """
 

@@ -16,7 +16,7 @@ Each seam of that library in ``connector/seams.py`` is resolved from the release
   of breakage: vLLM 0.32 replaced the worker's ``get_finished`` by ``get_transfer_results`` and kept
   the old method, so both KV deadlines would have stopped without an error.
 
-``tests/unit/test_seams.py`` checks the installed, pinned release by importing it; this reads any
+``tests/unit/connector/test_seams.py`` checks the installed, pinned release by importing it; this reads any
 other. Exit status 1 when anything is reported.
 """
 

@@ -3,7 +3,7 @@
 ``fit_errors(manifests, serve_config)`` returns one readable line per problem; ``[]`` means it
 fits. It reads each pod's Ray resources as KubeRay hands them to ``ray start`` (rayStartParams,
 else the container's limits) and each replica's needs from the placement bundles and replica
-actor resources that ``app.llm_configs`` builds, and checks:
+actor resources that ``app.config.llm_configs`` builds, and checks:
 
 * placement: each role asks for custom resources that exactly one worker group offers, prefill's
   and decode's groups differ, and the head (``num-gpus: 0``, no accelerators) offers neither;
@@ -28,8 +28,8 @@ from typing import Any
 
 import yaml
 
-from app.args import Accelerator, AppArgs
-from app.llm_configs import placement_group_config, replica_actor_resources
+from app.config.args import Accelerator, AppArgs
+from app.config.llm_configs import placement_group_config, replica_actor_resources
 from connector.ports import Role
 
 GPU_DEVICE = "nvidia.com/gpu"

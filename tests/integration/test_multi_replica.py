@@ -16,7 +16,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from app.procs import BASE_URL
+from app.tools.procs import BASE_URL
 from bench.engine_metrics import counted_by, delta, scrape, settle
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
@@ -204,14 +204,14 @@ def _stream_then_kill(client, body: dict, pid: int) -> list[str]:
 
 
 def test_whole_answers_not_started_by_the_queue_deadline_are_503_and_aborted(client, reference):
-    """Non-streamed (app.queue_deadline): a long generation from a short prompt starts at once and
+    """Non-streamed (app.request.queue_deadline): a long generation from a short prompt starts at once and
     runs well past the queue deadline: it is answered in full. Then a burst of long prompts that the
     one 2-core prefill engine needs minutes for: those whose first token is not out by the deadline
     get 503 with Retry-After, are counted as expired and are aborted on every engine (afterwards no
     engine holds a request or a KV block). Every 200 is correct (teacher forcing: batched).
 
     The deadline is the setting's wait plus the request's own work: (deadline_margin + 1) times its
-    expected prefill (app.deadlines). One burst prompt alone first says what that prefill takes here."""
+    expected prefill (app.request.deadlines). One burst prompt alone first says what that prefill takes here."""
     long_run = Case("long-run", prompt="Count from one to one thousand:")
     burst = Case("burst", prompt="Request {i}. " + long_text(240) + "\nWhich animal crossed river 3?")  # ~3k tokens
     bodies = [(long_run, {**long_run.body(max_tokens=600), "ignore_eos": True})]

@@ -26,8 +26,8 @@ import openai
 import pytest
 
 from app.model_source import resolve_model_source
-from app.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
-from app.timeline import LOG_MARKER, RequestTimeline
+from app.request.timeline import LOG_MARKER, RequestTimeline
+from app.tools.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
 from bench.engine_metrics import counted_by, scrape
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
@@ -52,6 +52,7 @@ from tests.integration.cases import (
     parse_stream_generation,
     read_stream,
 )
+from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
 from tests.integration.conversations import (
     Conversation,
     assert_corrupted_history_is_recomputed,
@@ -60,10 +61,9 @@ from tests.integration.conversations import (
     user_text,
     wait_ours,
 )
-from tests.integration.reference import app_args
-from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
 from tests.integration.cpu_quota import cpu_quota
 from tests.integration.prometheus import prometheus_scraping
+from tests.integration.reference import app_args
 from tests.observability import RULES as ALERT_RULES, alert_rules, dashboard_targets, legend_labels
 
 CONFIG = "configs/local-cpu.yaml"
@@ -98,7 +98,7 @@ LONGEST_MAX_TOKENS = 16
 
 
 def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu_while_decode_sleeps(client, reference):
-    """app.deadlines: the longest prompt the config allows (max_model_len - max_tokens), five times in a row
+    """app.request.deadlines: the longest prompt the config allows (max_model_len - max_tokens), five times in a row
     on the idle app, then five more with both engines held to half a core each (a CPU cgroup quota: prefill
     takes twice as long, as on this box's slow days): ten correct answers, every one pushed (prefill path
     `remote`: no fallback, no KV deadline, no recompute). Deadlines are sized to the request's work, so a
@@ -152,7 +152,7 @@ def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu
 
 
 def test_every_stage_of_a_request_is_timed_in_order(client):
-    """app.timeline: each request's stamps in the order it passes them (one host, one
+    """app.request.timeline: each request's stamps in the order it passes them (one host, one
     clock), one log line per request, and the stage histogram on a live scrape."""
     for stream in (False, True):
         r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
@@ -232,7 +232,7 @@ def test_health_route(client):
 
 
 def test_ready_said_503_while_the_engines_started_and_200_before_the_first_request(client):
-    """Readiness (app.readiness): the start-up (conftest's wait_ready polls /ready) saw 503,
+    """Readiness (app.ingress.readiness): the start-up (conftest's wait_ready polls /ready) saw 503,
     then 200, and nothing else; `make serve` said so in one line, after both engines warmed up."""
     assert client.app.readiness_seen == [503, 200], client.app.readiness_seen
     r = client.http.get("/ready")
@@ -244,17 +244,17 @@ def test_ready_said_503_while_the_engines_started_and_200_before_the_first_reque
     ready = log.find("[rendezvous] ready: http://127.0.0.1:8000/v1 — push, 1 prefill + 1 decode")
     assert ready >= 0, log[-3000:]
     assert "[rendezvous] starting: decode " in log
-    # Each engine ran its warm-up generation (app.warmup) before its replica was ready.
+    # Each engine ran its warm-up generation (app.replica.warmup) before its replica was ready.
     for role in ("prefill", "decode"):
         assert 0 <= log.find(f"{role} engine warmed up in ") < ready, role
 
 
 def test_a_second_start_on_the_same_host_refuses_at_once_naming_who_holds_its_ports(client):
-    """app.preflight: a second `make serve` (pull) beside this app says which ports are taken
+    """app.tools.preflight: a second `make serve` (pull) beside this app says which ports are taken
     and by whom, starts nothing and exits, and this app keeps serving."""
     env = new_run_env()
     env.pop("RAY_ADDRESS", None)
-    second = subprocess.run([sys.executable, "-m", "app.run", "configs/local-cpu-pull.yaml"], cwd=REPO, env=env,
+    second = subprocess.run([sys.executable, "-m", "app.tools.run", "configs/local-cpu-pull.yaml"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert second.returncode == 2, second.stderr[-3000:]
     said = second.stderr
@@ -558,7 +558,7 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
     """Four times the rate the box sustains, for a minute (open loop, Poisson arrivals,
     from a process of its own: bench.openloop), streamed. Each request either completes
     correctly (teacher-forced: vLLM is not batch-invariant), or gets a 429 with Retry-After and
-    an OpenAI error body quickly (admission: app/admission.py), or a 503 with Retry-After at
+    an OpenAI error body quickly (admission: app/routing/admission.py), or a 503 with Retry-After at
     the queue deadline; none that was admitted starts later than that deadline. Then no engine
     holds a request or a KV block, and the app serves as before."""
     ingress = app_args(CONFIG).ingress
@@ -608,7 +608,7 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
         if r["status"] == 503:
             assert int(r["retry_after"]) > 0 and "queue deadline" in r["response"]["error"]["message"], r
     # Admitted and started within the queue deadline, or answered 503 at it. The deadline is the setting's wait plus
-    # the request's own expected prefill, (deadline_margin + 1) times its cost (app/deadlines.py): for these ~45-token
+    # the request's own expected prefill, (deadline_margin + 1) times its cost (app/request/deadlines.py): for these ~45-token
     # prompts under a second on this box, 2 s allowed; and 1 s for the client's own reading.
     late = [(r["index"], r["first_byte_s"]) for r in accepted if r["first_byte_s"] > ingress.queue_deadline_s + 2 + 1]
     assert not late, f"admitted streams whose first event came after the queue deadline: {late}"
@@ -626,7 +626,7 @@ def test_sustained_overload_is_shed_quickly_and_every_admitted_answer_is_correct
           f"{first_s[min(len(first_s) - 1, int(0.99 * len(first_s)))]:.1f} s; answer median "
           f"{answer_s[len(answer_s) // 2]:.1f} s), {len(rejected)} rejected (p99 {p99:.2f} s, max {rejected[-1]:.2f} s), "
           f"{statuses[503]} given up at the queue deadline; the client's loop stalled {max(stalls):.2f} s at the longest")
-    # The issue's target is a p99 under 1 s (README, Admission): a benchmark figure, not asserted (a slower
+    # The issue's target is a p99 under 1 s (docs/operations.md, "Admission"): a benchmark figure, not asserted (a slower
     # box is not a defect). What must hold anywhere: a rejection does not wait behind the work it was
     # refused for. p95, not p99: one stall of a 2-core box (seen once in CI: 18 rejections read together
     # 4.4 s late) moves a p99 of ~2,000 but not a p95; none may take as long as a typical answer.
@@ -738,7 +738,7 @@ def _check_dashboard_and_alerts(prometheus) -> None:
 
 @pytest.mark.slow
 def test_while_no_decode_replica_can_serve_ready_is_503_and_generation_a_quick_503(client, reference):
-    """Readiness after a loss (app.readiness): SIGKILL the only decode replica. /ready turns
+    """Readiness after a loss (app.ingress.readiness): SIGKILL the only decode replica. /ready turns
     503 and says what is missing; a generation request meanwhile gets a quick 503 with
     Retry-After (not a wait in a queue); once Serve's replacement serves, /ready is 200
     again and answers are token-identical."""

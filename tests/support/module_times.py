@@ -1,7 +1,7 @@
 """A pytest plugin: the wall time of each test module (setup, calls and teardown of its tests,
 module fixtures included), printed at the end of the run and written to ``$MODULE_TIMES_FILE``
 (CSV) when set. The suite's budget is spent per module; this is how it is published
-(README, "Tests")."""
+(docs/testing.md, "Time by module")."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ def test_each_alert_has_a_severity_a_summary_and_a_runbook_entry():
 def _exported_by_the_app() -> set[str]:
     """ray_rendezvous_* names the app defines (Ray adds the prefix, Prometheus the suffixes)."""
     names = set()
-    for path in (REPO / "app").glob("*.py"):
+    for path in (REPO / "app").rglob("*.py"):
         names |= set(re.findall(r'"(rendezvous_[a-z_]+)"', path.read_text()))
     return {f"ray_{name}" for name in names}
 

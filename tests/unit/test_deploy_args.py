@@ -1,5 +1,5 @@
 """The AppArgs fields for deploying at scale: per-role autoscaling and custom resources, and the
-neuron accelerator; and what app.llm_configs makes of them (no Ray started)."""
+neuron accelerator; and what app.config.llm_configs makes of them (no Ray started)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 from ray.serve._private.config import DeploymentConfig
 
-from app.args import (
+from app.config.args import (
     RAY_RESOURCE_NAMES,
     Accelerator,
     AppArgs,
@@ -18,7 +18,7 @@ from app.args import (
     RoleArgs,
     reference_markdown,
 )
-from app.llm_configs import (
+from app.config.llm_configs import (
     deployment_config,
     kv_transfer_config,
     llm_config,
@@ -296,13 +296,13 @@ def test_routers_of_both_roles(router, cls):
 
     from ray.serve._private.request_router.request_router import RequestRouter
 
-    from app.routing import RoutingPolicy
+    from app.routing.pipeline import RoutingPolicy
 
     args = AppArgs.parse({"routing": {"decode_router": router}})
     decode = deployment_config(args, Role.DECODE)["request_router_config"]
     prefill = deployment_config(args, Role.PREFILL)["request_router_config"]
-    assert decode["request_router_class"] == f"app.decode_router.{cls}"
-    assert prefill["request_router_class"] == "app.prefill_router.LoadAwarePrefillRouter"
+    assert decode["request_router_class"] == f"app.routing.decode_router.{cls}"
+    assert prefill["request_router_class"] == "app.routing.prefill_router.LoadAwarePrefillRouter"
     assert RoutingPolicy.model_validate(prefill["request_router_kwargs"]["policy"]) == args.routing.prefill_policy
     assert decode["request_routing_stats_period_s"] == prefill["request_routing_stats_period_s"] == args.routing.stats_period_s
     for path in (decode["request_router_class"], prefill["request_router_class"]):

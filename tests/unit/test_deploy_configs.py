@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 import yaml
 
-from app.args import Accelerator, AppArgs
-from app.llm_configs import kv_transfer_config, llm_config
+from app.config.args import Accelerator, AppArgs
+from app.config.llm_configs import kv_transfer_config, llm_config
 from connector.params import TransferMode
 from connector.ports import Role
 from deploy.checks import APP_IMPORT_PATH, app_args_of

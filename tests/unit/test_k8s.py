@@ -20,8 +20,8 @@ import jsonschema
 import pytest
 import yaml
 
-from app.args import Accelerator, AppArgs
-from app.llm_configs import deployment_config, placement_group_config
+from app.config.args import Accelerator, AppArgs
+from app.config.llm_configs import deployment_config, placement_group_config
 from connector.ports import PortPlan, Role
 from deploy import render as render_mod
 from deploy.checks import (
@@ -39,7 +39,7 @@ from deploy.checks import (
 )
 from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
 from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
-from tests.unit.test_images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
+from tests.support.images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
@@ -645,7 +645,7 @@ def test_docs_name_only_files_that_exist():
 def test_deploy_stays_pure(rel):
     """deploy/ runs wherever manifests are rendered: no Ray, vLLM or torch, directly or through
     the repository modules it uses (which must be ones test_layering keeps pure)."""
-    from tests.unit.test_layering import HEAVY, PURE, imports_of
+    from tests.support.layering import HEAVY, PURE, imports_of
 
     imports = imports_of(rel)
     assert not [str(i) for i in imports if i.top in HEAVY]
@@ -669,7 +669,7 @@ def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
 
 @pytest.mark.parametrize("overlay, config", PAIRS)
 def test_worker_pods_are_ready_when_the_app_can_answer_and_the_head_keeps_kuberays_probes(overlay, config):
-    """Workers: readiness on the app's /ready (app.readiness) at the Serve port of the config.
+    """Workers: readiness on the app's /ready (app.ingress.readiness) at the Serve port of the config.
     The head: none of ours, or KubeRay would never submit the app (it waits for a ready head)."""
     manifests = rendered(overlay, config)
     port = (yaml.safe_load(config.read_text()).get("http_options") or {}).get("port", 8000)

@@ -3,11 +3,11 @@
 import re
 from pathlib import Path
 
-from app.args import reference_markdown
+from app.config.args import reference_markdown
 
 REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
-# The reference is generated from the models (`python -m app.args`); it lives in its own doc, linked from the README.
+# The reference is generated from the models (`python -m app.config.args`); it lives in its own doc, linked from the README.
 CONFIG_REFERENCE = REPO / "docs" / "configuration.md"
 START = "<!-- config-reference:start -->"
 END = "<!-- config-reference:end -->"
@@ -30,7 +30,7 @@ def test_config_reference_matches_the_models():
     assert START in text and END in text, f"{name} must contain {START} and {END}"
     embedded = text.split(START, 1)[1].split(END, 1)[0].strip("\n")
     assert embedded == reference_markdown().strip("\n"), (
-        f"{name}'s configuration reference is out of date: run `python -m app.args` and paste its output "
+        f"{name}'s configuration reference is out of date: run `python -m app.config.args` and paste its output "
         f"between {START} and {END}"
     )
 

@@ -20,7 +20,7 @@ import time
 
 import httpx
 
-from app.procs import BASE_URL, REPO
+from app.tools.procs import BASE_URL, REPO
 from tests.integration.cases import long_text
 
 CONFIGS = {"on": "configs/local-cpu.yaml", "off": "docs/results/kv-checksum/local-cpu-checksums-off.yaml"}
@@ -28,7 +28,7 @@ REQUESTS, OUTPUT_TOKENS = 10, 48
 
 
 def run_arm(arm: str) -> dict[str, list[float]]:
-    app = subprocess.Popen([sys.executable, "-m", "app.run", CONFIGS[arm]], cwd=REPO, stdout=subprocess.DEVNULL,
+    app = subprocess.Popen([sys.executable, "-m", "app.tools.run", CONFIGS[arm]], cwd=REPO, stdout=subprocess.DEVNULL,
                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         while True:
@@ -52,7 +52,7 @@ def run_arm(arm: str) -> dict[str, list[float]]:
     finally:
         os.killpg(app.pid, signal.SIGINT)
         app.wait(120)
-        subprocess.run([sys.executable, "-m", "app.procs", "--kill"], cwd=REPO, capture_output=True)
+        subprocess.run([sys.executable, "-m", "app.tools.procs", "--kill"], cwd=REPO, capture_output=True)
 
 
 def main(arms: list[str]) -> None:

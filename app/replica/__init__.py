@@ -1,0 +1,6 @@
+"""What the decode and the prefill replicas share: a prompt's token ids as a replica renders them
+(``prompts``), the warm-up generations before a replica takes traffic (``warmup``) and Ray Serve LLM's node
+initialization, skipped when there is nothing to download (``node_init``).
+
+It imports no role (``ingress/``, ``decode/``, ``prefill/``) nor ``tools/``.
+"""

@@ -1,0 +1,125 @@
+"""Serve request router of the prefill deployment: the least prefill work outstanding.
+
+Prefill work is prompt tokens, not requests: one 4k-token prompt keeps a prefill engine
+as busy as a hundred short ones. Every decode replica routes its own prefill legs (the
+handle lives in its process), so this router combines:
+
+* the prompt tokens of the legs this router sent that have not completed — exact and
+  immediate; ``DecodeServer`` writes each leg's prompt length on the request it sends
+  (:data:`PROMPT_TOKENS_FIELD`, :func:`with_prompt_tokens`), and text length stands in
+  for a leg without it;
+* what each ``PrefillServer`` publishes every ``routing.stats_period_s``: the prompt tokens
+  of every router's legs in flight there, seconds late on a busy box.
+
+It also hands on what each prefill replica published of its engine's cost
+(``app.request.deadlines.PUBLISHED``, which this decode replica's deadlines read).
+
+The pipeline and its scorers are ``app.routing.pipeline``'s, with ``routing.prefill_policy``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from typing import Any
+
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from app.request.deadlines import published_prefill_costs
+from app.request.timeline import record_prefill_pick
+from app.routing.decode_router import count_pick, ranked, snapshot_from_stats
+from app.routing.pipeline import PublishedLoad, RouteRequest, RoutingPolicy, pick
+
+logger = logging.getLogger("ray.serve." + __name__)
+
+_CHARS_PER_TOKEN = 4  # when a leg does not say its prompt length
+_REMEMBERED = 10_000  # legs in flight this router keeps track of, at most
+# An extra field of the OpenAI request model (which allows them): the prompt tokens of the
+# leg as the decode replica counted them. It travels with the request's copies (both legs).
+PROMPT_TOKENS_FIELD = "rendezvous_prompt_tokens"
+
+
+def with_prompt_tokens(request: Any, prompt_tokens: int) -> Any:
+    """``request`` saying its prompt length to the prefill router."""
+    return request.model_copy(update={PROMPT_TOKENS_FIELD: prompt_tokens})
+
+
+def said_prompt_tokens(request: Any) -> int | None:
+    """The prompt tokens a leg says it has (:data:`PROMPT_TOKENS_FIELD`), if it says."""
+    said = getattr(request, PROMPT_TOKENS_FIELD, None)
+    return said if isinstance(said, int) and not isinstance(said, bool) and said >= 0 else None
+
+
+def leg_tokens(request: Any) -> int:
+    """The prompt tokens of a prefill leg: as it says, else estimated from its text."""
+    said = said_prompt_tokens(request)
+    if said is not None:
+        return said
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list):
+        return len(prompt)
+    text = prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in getattr(request, "messages", None) or [])
+    return len(text) // _CHARS_PER_TOKEN
+
+
+class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
+        self._policy = RoutingPolicy.model_validate(policy or {})
+        self._tokens_sent: Counter = Counter()  # replica id -> prompt tokens of legs sent from here, not completed
+        self._in_flight: OrderedDict[str, tuple[str, int]] = OrderedDict()  # internal request id -> (replica, tokens)
+
+    def update_replicas(self, replicas) -> None:
+        # Serve calls it with each change of the replicas' published stats, picks or not: a request
+        # already waiting (its deadlines re-read the cost) learns of a measurement made meanwhile.
+        super().update_replicas(replicas)
+        self._publish_costs(replicas)
+
+    @staticmethod
+    def _publish_costs(replicas) -> None:
+        published = {str(r.replica_id): PublishedLoad.read(r.routing_stats) for r in replicas}
+        published_prefill_costs({rid: (load.prefill_cost, load.prefill_cost_fitted)
+                                 for rid, load in published.items() if load and load.prefill_cost})
+
+    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        self._forget(internal_request_id)
+
+    def _forget(self, internal_request_id: str) -> None:
+        entry = self._in_flight.pop(internal_request_id, None)
+        if entry is not None:
+            replica, tokens = entry
+            self._tokens_sent[replica] -= tokens
+            if self._tokens_sent[replica] <= 0:
+                del self._tokens_sent[replica]
+
+    async def choose_replicas(self, candidate_replicas, pending_request=None):
+        if not candidate_replicas:
+            return []
+        now = time.time()
+        by_id = {str(r.replica_id): r for r in candidate_replicas}
+        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
+        chosen_before = self._in_flight.get(request_id)  # its first pick was full: chosen again
+        args = getattr(pending_request, "args", None) or ()
+        tokens = chosen_before[1] if chosen_before else leg_tokens(args[0]) if args else 0
+        snapshots = [
+            snapshot_from_stats(
+                rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
+                tokens_sent_here=self._tokens_sent[rid],
+            )
+            for rid, r in by_id.items()
+        ]
+        decision = pick(self._policy, RouteRequest(prompt_tokens=tokens), snapshots)
+        if request_id is not None:
+            self._forget(request_id)  # count a leg chosen again once
+            self._in_flight[request_id] = (decision.replica_id, tokens)
+            self._tokens_sent[decision.replica_id] += tokens
+            if len(self._in_flight) > _REMEMBERED:  # legs that were chosen but never sent
+                self._forget(next(iter(self._in_flight)))
+        count_pick("prefill", decision)
+        if args and getattr(args[0], "request_id", None):
+            ahead = next((s.tokens_in_flight for s in snapshots if s.replica_id == decision.replica_id), 0)
+            record_prefill_pick(args[0].request_id, time.time(), ahead)  # the leg's deadline counts the work ahead
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("prefill pick %s for %d tokens, scores=%s", decision.replica_id, tokens, decision.scores)
+        return ranked(decision, by_id)
