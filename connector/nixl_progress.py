@@ -6,7 +6,9 @@ to whole milliseconds: 0 ms, so once an agent has a connection its thread spins 
 core for as long as the engine lives, transfers or not. Measured here (NIXL 1.3.2, two
 connected agents, idle): 1.99 cores at 0 ms, 0.05 at 1 ms, with the same transfer times,
 because the thread is woken by the UCX workers' event descriptors, not by the timeout.
-On a 2-core box three such engines took most of the CPU from the engines' real work.
+On a 2-core box three such engines took most of the CPU from the engines' real work. At
+10 ms (2026-12-05, vLLM 0.32) a decode engine waiting for pushed KV spends 0.018 of a core
+less than at 1 ms, with the same TTFT (docs/benchmarks.md, "Why push lost on long prompts").
 
 The LIBFABRIC backend (EFA) spins the same way, and worse: its progress thread polls its
 completion queues with ``fi_cq_read`` (opened with ``FI_WAIT_NONE``) and sleeps ``pthrDelay``
@@ -18,7 +20,7 @@ while completions keep coming), and frees all but a sliver of each core.
 
 The delay is fixed inside ``nixl_agent.__init__``, so the only seam is the config class
 it instantiates: we swap in a subclass whose ``pthrDelay`` never goes below the floor of
-the backends in use (:func:`progress_floor_us`). Pinned in tests/unit/test_seams.py.
+the backends in use (:func:`progress_floor_us`). Pinned in tests/unit/connector/test_seams.py.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import sys
 
 logger = logging.getLogger("vllm.rendezvous")
 
-# NIXL's own floor for poll() is 1 ms ("at least 1ms", ucx_backend.cpp); 0 disables it.
-PROGRESS_POLL_US = 1000
+# UCX wakes its thread on its workers' events, so the timeout only bounds an idle round: 10 ms costs no
+# latency (NIXL's own floor for poll() is 1 ms, "at least 1ms", ucx_backend.cpp; 0 disables it).
+PROGRESS_POLL_US = 10_000
 # LIBFABRIC wakes on nothing but this timeout: at most 0.1 ms added to a completion that arrives while
 # its thread sleeps (against a GPU TTFT of hundreds of ms), for a thread that no longer spins a core.
 LIBFABRIC_POLL_US = 100

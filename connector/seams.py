@@ -424,7 +424,7 @@ SEAMS: list[Seam] = [
     Seam("vllm", "vllm.distributed.nixl_utils", "NixlWrapper", "import", ("connector/nixl_progress.py",),
          "load NIXL the way vLLM's connector will, to swap its agent config class", checked_by=T_NIXL),
     Seam("nixl", "vllm.distributed.nixl_utils:NixlWrapper", "nixlBind", "global", ("connector/nixl_progress.py",),
-         "swap nixlBind.nixlAgentConfig for a class whose pthrDelay stays >= 1 ms (no busy-polling thread)",
+         "swap nixlBind.nixlAgentConfig for a class whose pthrDelay stays >= its floor (no busy-polling thread)",
          silent=True, checked_by=T_NIXL),
     # ------------------------------------------------------------------ Ray Serve LLM (ray.llm._internal)
     Seam("ray", f"{_RLLM}.engines.vllm.kv_transfer.base", "BaseConnectorBackend", "import", ("connector/ray_backend.py",),

@@ -163,7 +163,7 @@ class EngineGauges:
     So a check made after a step of a test must have been watching all along, and it keeps each
     role's latest value (a role that went idle early may have vanished before another one got there).
 
-    An engine with requests in flight steps (a decode waiting for pushed KV every 0.1 s,
+    An engine with requests in flight steps (a decode waiting for pushed KV every 0.25 s,
     connector.idle_wait), so it reports. One whose requests were all aborted mid-step reports
     nothing more: a role silent for ``SILENT_S`` while watched, longer than any step here, counts
     as idle whatever it last reported (what a silent engine holds, its gauges cannot show; its

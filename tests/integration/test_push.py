@@ -107,9 +107,9 @@ def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu
     The first one is streamed, and it also checks connector.idle_wait: decode's engine waits for pushed KV
     without stepping. CPU seconds of each role's engine processes (EngineCore and worker, from /proc) from
     the request to its first chunk, per second of that wait: a share of a core, so it holds on a slower or
-    faster box. Before the wait, decode's engine took 0.7 of a core polling; waiting, it takes what draining
-    NIXL's notifications every 4 ms costs (connector.idle_wait): 0.14 of a core on a fast day, ~0.2 on a
-    slow one."""
+    faster box. Before the wait, decode's engine took 0.7 of a core polling; now, from the request to its
+    first chunk (its own work on the landed KV included), ~0.06 of a core (0.13 before 2026-12-05's longer
+    polls, connector.idle_wait and connector.nixl_progress); the bound leaves room for a slow day."""
     max_model_len = app_args(CONFIG).engine_kwargs["max_model_len"]
     case = Case("completion-longest", prompt=longest_prompt(reference, max_model_len - LONGEST_MAX_TOKENS))
     expected = case.reference(reference, LONGEST_MAX_TOKENS)  # computed first: the reference engine shares the box

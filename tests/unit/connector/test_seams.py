@@ -720,7 +720,7 @@ def test_vllm_sends_a_steps_outputs_after_the_worker_metadata_the_pull_sums_ride
 
 def test_nixl_agents_keep_an_idle_progress_thread_off_the_cpu():
     """nixl_agent.__init__ sets pthrDelay = 0 (a busy-polling progress thread once
-    connected); connector.nixl_progress swaps in a config class that keeps it >= 1 ms.
+    connected); connector.nixl_progress swaps in a config class that keeps it at or above its floor.
     Two real agents, one WRITE between them, then idle: the spin cost ~2 cores here."""
     import sys
     import time
