@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from app.procs import BASE_URL, AppProcess, cpu_seconds, engine_processes
+from app.tools.procs import BASE_URL, AppProcess, cpu_seconds, engine_processes
 
 CONFIG = "configs/local-cpu.yaml"
 PROMPT_TOKENS = 3500
