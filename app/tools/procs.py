@@ -34,7 +34,7 @@ import psutil
 from connector.port_check import is_free
 
 MARKER = "RENDEZVOUS_RUN_ID"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BASE_URL = "http://127.0.0.1:8000"
 # Ports the local configs use: HTTP, and the first side channels of each role.
 LOCAL_PORTS = (8000, 20000, 20001, 22000, 22001)

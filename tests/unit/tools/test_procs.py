@@ -29,3 +29,10 @@ def test_a_run_finds_its_other_processes():
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_runs_start_in_the_repository_root():
+    """AppProcess starts every run there (configs are relative paths), wherever the tools module sits."""
+    from app.tools.procs import REPO
+
+    assert (REPO / "pyproject.toml").is_file() and (REPO / "configs" / "local-cpu.yaml").is_file()
