@@ -160,3 +160,9 @@ def test_decisions_never_pull_in_vllm(rel):
     """The Serve routers may import Ray's request router; nothing in these packages reaches vLLM."""
     bad = [str(i) for i in repo_closure(rel) if i.top in ("vllm", "torch")]
     assert not bad, f"{rel} pulls in vLLM or torch: " + "; ".join(bad)
+
+
+@pytest.mark.parametrize("rel", ["bench/results.py", "bench/profiles.py", "bench/engine_metrics.py", "bench/__init__.py"])
+def test_bench_core_modules_import_no_heavy_package(rel):
+    bad = [str(i) for i in imports_of(rel) if i.top in HEAVY]
+    assert not bad, f"{rel} must stay light: " + "; ".join(bad)

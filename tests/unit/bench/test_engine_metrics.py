@@ -8,7 +8,16 @@ import math
 import pytest
 
 import bench.engine_metrics as em
-from bench.engine_metrics import EXPORT_INTERVAL_ENV, RoleMetrics, counted_by, parse, settle
+from bench.engine_metrics import (
+    EXPORT_INTERVAL_ENV,
+    RoleMetrics,
+    counted_by,
+    histogram_estimate,
+    parse,
+    settle,
+    total_delta,
+)
+from tests.support.bench import snap
 
 INF = math.inf
 
@@ -184,3 +193,29 @@ def test_settled_snapshot_waits_one_ray_export_interval_and_a_margin_of_quiet(mo
     monkeypatch.setattr(metrics, "snapshot", lambda: {"decode": {"a": clock.now}})
     with pytest.raises(TimeoutError, match="^engine metrics kept changing; is something else sending requests\\?$"):
         metrics.settled_snapshot(timeout_s=30)
+
+
+# --------------------------------------------------------------------------- deltas between snapshots
+
+
+def test_histogram_estimate_uses_bucket_edges_and_midpoints():
+    before = snap(1, {"2048.0": 1, "8192.0": 1, "32768.0": 1, "+Inf": 1})
+    # +2 in (2048, 8192], +1 in (8192, 32768]; cumulative counts.
+    after = snap(4, {"2048.0": 1, "8192.0": 3, "32768.0": 4, "+Inf": 4})
+    est = histogram_estimate(after, before, "nixl_bytes_transferred")
+    assert est.count == 3
+    assert est.low == 2 * 2048 + 8192
+    assert est.high == 2 * 8192 + 32768
+    assert est.mid == 2 * (2048 + 8192) / 2 + (8192 + 32768) / 2
+    assert est.mean == est.mid / 3
+
+
+def test_histogram_estimate_above_the_last_bucket_has_no_upper_bound():
+    est = histogram_estimate(snap(1, {"1024.0": 0, "+Inf": 1}), snap(0, {"1024.0": 0, "+Inf": 0}), "nixl_bytes_transferred")
+    assert est.count == 1 and est.low == 1024 and est.high is None
+
+
+def test_totals_count_each_sample_once():
+    after, before = snap(5, failed=1), snap(2)
+    assert total_delta(after, before, "nixl_xfer_time_seconds_count") == 3  # not 6: replica entries are skipped
+    assert total_delta(after, before, "nixl_num_failed_transfers_total", "nixl_num_failed_transfers") == 1
