@@ -3,7 +3,7 @@
     python -m deploy.render --overlay gpu-efa --config configs/gpu-p5en-qwen3-32b-push.yaml
 
 ``k8s/`` is a kustomize tree (a base and overlays). This module builds it with the part of
-kustomize the tree uses, with kustomize's semantics; ``tests/unit/test_k8s.py`` compares the
+kustomize the tree uses, with kustomize's semantics; ``tests/unit/deploy/test_render.py`` compares the
 result with ``kubectl kustomize``:
 
 * ``resources``: YAML files (any number of documents) or directories with a kustomization.yaml,

