@@ -20,7 +20,7 @@ while completions keep coming), and frees all but a sliver of each core.
 
 The delay is fixed inside ``nixl_agent.__init__``, so the only seam is the config class
 it instantiates: we swap in a subclass whose ``pthrDelay`` never goes below the floor of
-the backends in use (:func:`progress_floor_us`). Pinned in tests/unit/connector/test_seams.py.
+the backends in use (:func:`progress_floor_us`). Pinned in tests/unit/connector/test_upstream_probes.py.
 """
 
 from __future__ import annotations

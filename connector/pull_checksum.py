@@ -11,7 +11,7 @@ pull, prefill never talks to decode's agent, so the sums travel with the request
 3. The scheduler puts them into the ``kv_transfer_params`` that ``request_finished`` returned for
    the same request in the same step, under ``KV_SUMS_KEY``: vLLM calls ``request_finished`` and
    then ``update_connector_output`` within one ``update_from_output``, and sends the step's
-   outputs (which hold that dict) only after it (a seam, ``tests/unit/connector/test_seams.py``).
+   outputs (which hold that dict) only after it (a seam, ``tests/unit/connector/test_upstream_probes.py``).
 4. The orchestrator hands prefill's params to the decode leg as they are. Decode's scheduler passes
    the sums to its workers with the READ (``EXPECTED_ATTR``); each worker keeps its rank's, trimmed
    to the blocks it reads (decode may have the first ones cached), and ``KvSumsCheck`` checks the

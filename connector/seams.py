@@ -7,7 +7,8 @@ resolves every entry against the installed packages and fails with the entry's o
 ("vllm 0.32.0 seam changed: ... re-read connector/idle_wait.py before upgrading"); it
 also fails when code in ``app/`` or ``connector/`` starts using a private name or module
 that is not listed here. So: a new private use gets an entry, and an upgrade starts with
-``pytest tests/unit/connector/test_seams.py`` (docs/upgrading.md).
+``pytest tests/unit/connector/test_seams.py`` and the closer checks the entries name in ``checked_by``
+(``tests/unit/connector/test_upstream_probes.py``; docs/upgrading.md).
 
 An entry:
 
@@ -103,7 +104,7 @@ _META = f"{_NIXL}.metadata"
 _RLLM = "ray.llm._internal.serve"
 _PD = f"{_RLLM}.serving_patterns.prefill_decode.pd_server"
 _ROUTER = "ray.serve._private.request_router.request_router"
-_T = "tests/unit/connector/test_seams.py::"
+_T = "tests/unit/connector/test_upstream_probes.py::"
 T_PUSH = _T + "test_vllm_push_internals_our_overrides_use"
 T_IDLE = _T + "test_vllm_engine_loop_internals_the_idle_wait_relies_on"
 T_PULL = _T + "test_vllm_pull_read_back_internals_we_rely_on"

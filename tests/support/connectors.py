@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from connector.params import PeerIdentity
 from connector.push_connector import PushScheduler
 from connector.settings import ConnectorSettings
 
@@ -32,3 +33,7 @@ def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") 
     scheduler = PushScheduler(vllm_config, engine_id, kv_cache_config)
     scheduler.init_features(ConnectorSettings.parse(extra), vllm_config)
     return scheduler
+
+
+# A prefill replica's published identity, as decode legs carry it.
+PEER = PeerIdentity(engine_id="prefill-r0-10.0.0.5-20000-abc123", host="10.0.0.5", port=20000, tp_size=2, pp_size=1)
