@@ -18,6 +18,7 @@ from app.routing.conversations import (
 )
 from app.routing.pipeline import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 from connector.params import ReuseReport
+from tests.support.routing import serve_router
 
 
 # --------------------------------------------------------------------------- retention table
@@ -100,8 +101,7 @@ def test_the_router_reads_the_conversation_from_the_header_and_learns_holders():
     assert conversation_of(types.SimpleNamespace(args=("body",))) is None
     assert conversation_of(None) is None
 
-    router = LoadAwareDecodeRouter.__new__(LoadAwareDecodeRouter)
-    router._picked, router._published = {}, {}
+    router = serve_router(LoadAwareDecodeRouter)
     published = types.SimpleNamespace(routing_stats={STATS_KEY: {"recorded_at": 1.0, "conversations": ["c"]}})
     silent = types.SimpleNamespace(routing_stats={})
     assert router._holders("c", {"a": published, "b": silent}, now=2.0) == {"a"}

@@ -7,6 +7,7 @@ import pytest
 from app.routing.decode_router import snapshot_from_stats
 from app.routing.pipeline import ReplicaSnapshot as R
 from app.routing.pipeline import RouteRequest, RoutingPolicy, pick
+from tests.support.routing import serve_router
 
 DEFAULT = RoutingPolicy()
 FRESH = 1.0
@@ -101,9 +102,7 @@ def test_requests_this_router_sent_count_before_the_published_stats_catch_up():
 def test_router_counts_what_it_sent_until_each_request_completes():
     from app.routing.decode_router import LoadAwareDecodeRouter
 
-    router = LoadAwareDecodeRouter.__new__(LoadAwareDecodeRouter)
-    router._use_replica_queue_len_cache = False  # Serve's own cache is not under test here
-    router.initialize_state()
+    router = serve_router(LoadAwareDecodeRouter)  # Serve's own queue-length cache off, as is its default
     router.on_send_request("a")
     router.on_send_request("a")
     router.on_send_request("b")
@@ -119,8 +118,7 @@ def test_round_robin_takes_replicas_in_turn_whatever_their_load():
 
     from app.routing.decode_router import RoundRobinDecodeRouter
 
-    router = RoundRobinDecodeRouter.__new__(RoundRobinDecodeRouter)
-    router.initialize_state(policy={"ignored": True})
+    router = serve_router(RoundRobinDecodeRouter, policy={"ignored": True})
     replicas = [SimpleNamespace(replica_id=name) for name in ("b", "a", "c")]
     firsts = [asyncio.run(router.choose_replicas(replicas))[0][0].replica_id for _ in range(4)]
     assert firsts == ["a", "b", "c", "a"]

@@ -10,14 +10,11 @@ import pytest
 
 from app.routing.pipeline import RoutingPolicy
 from app.routing.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
+from tests.support.routing import serve_router
 
 
 def _router(policy: dict | None = None) -> LoadAwarePrefillRouter:
-    router = LoadAwarePrefillRouter.__new__(LoadAwarePrefillRouter)
-    router._use_replica_queue_len_cache = False  # Serve's own cache is not under test here
-    router._replica_queue_len_cache = {}
-    router.initialize_state(policy)
-    return router
+    return serve_router(LoadAwarePrefillRouter, policy=policy)
 
 
 def _replica(name: str, stats: dict | None = None) -> SimpleNamespace:
