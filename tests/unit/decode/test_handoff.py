@@ -284,8 +284,14 @@ class _PrefillStream:
 
 
 def _pull_handoff() -> Handoff:
+    from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
+
+    from app.config.args import AppArgs
+    from app.config.llm_configs import llm_config
+    from connector.ports import Role
     from connector.ray_backend import NixlPullBackend
 
+    backend = NixlPullBackend(LLMConfig.model_validate(llm_config(AppArgs.parse({"mode": "pull"}), Role.DECODE, "/some/path")))
     calls = []
 
     def call(request, raw=None):
@@ -294,7 +300,7 @@ def _pull_handoff() -> Handoff:
 
     handoff = _handoff(timeout_s=5, mode="pull", replica_id="entry-1",
                        prefill=types.SimpleNamespace(completions=types.SimpleNamespace(remote=call)),
-                       backend=lambda: NixlPullBackend.__new__(NixlPullBackend))
+                       backend=lambda: backend)
     handoff.prefill_calls = calls
     return handoff
 
