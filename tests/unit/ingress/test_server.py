@@ -294,7 +294,7 @@ def test_a_request_whose_decode_replica_died_before_the_first_chunk_is_retried_o
 
     monkeypatch.setattr(OpenAiIngress, "_process_llm_request", upstream)
     try:
-        asyncio.run(Ingress.__new__(Ingress)._process_llm_request("body", "chat"))
+        asyncio.run(Ingress(llm_deployments={}, model_cards={})._process_llm_request("body", "chat"))
         got = "answered"
     except Exception as exc:  # noqa: BLE001
         got = type(exc).__name__
@@ -322,7 +322,8 @@ def test_a_prefilled_answer_sends_the_request_through_the_decode_router_once_mor
     client_body = CompletionRequest(model="m", prompt="hi", kv_transfer_params={"remote_host": "evil"})
 
     async def go():
-        return [c async for c in Ingress.__new__(Ingress)._get_response(body=client_body, call_method="completions")]
+        ingress = Ingress(llm_deployments={}, model_cards={})  # Ray's constructor: it only keeps the handles it is given
+        return [c async for c in ingress._get_response(body=client_body, call_method="completions")]
 
     assert asyncio.run(go()) == ["a", "b"]
     assert [Prefilled.attached_to(b) for b in sent] == [None, prefilled]
@@ -377,7 +378,7 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
         return SimpleNamespace(state=SimpleNamespace(rendezvous_deadline=QueueDeadline(time.time() + 0.2, 0.2, 3),
                                                      rendezvous_arrived=time.time()))
 
-    ingress = Ingress.__new__(Ingress)
+    ingress = Ingress(llm_deployments={}, model_cards={})
     stream, whole, late = request(), request(), request()
     whole_body, late_body = SimpleNamespace(stream=False, prompt="p"), SimpleNamespace(stream=False, prompt="late")
     expired = asyncio.run(ingress._process_llm_request(SimpleNamespace(stream=True, prompt="p"), "chat", stream))

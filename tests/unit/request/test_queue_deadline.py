@@ -157,7 +157,8 @@ def test_the_ingress_turns_a_replicas_queue_expired_into_its_503(monkeypatch):
     monkeypatch.setattr(OpenAiIngress, "_get_response", upstream)
 
     async def go():
-        return [c async for c in Ingress.__new__(Ingress)._get_response(body=SimpleNamespace(), call_method="chat")]
+        ingress = Ingress(llm_deployments={}, model_cards={})  # Ray's constructor: it only keeps the handles it is given
+        return [c async for c in ingress._get_response(body=SimpleNamespace(), call_method="chat")]
 
     with pytest.raises(QueueDeadlinePassed):
         asyncio.run(go())
