@@ -31,22 +31,34 @@ register_backends()
 class PrefillServer(PDPrefillServer):
     """Ray's prefill server, publishing for the prefill routers of the decode replicas
     (``app.routing.prefill_router``) its outstanding prefill work (the prompt tokens of the legs in
-    flight here) and what its engine takes to compute a prompt (``app.request.deadlines``)."""
+    flight here) and what its engine takes to compute a prompt (``app.request.deadlines``): a :class:`PrefillLoad`."""
 
     async def __init__(self, llm_config, **kwargs):
         await super().__init__(llm_config, **kwargs)
-        self._tokenizer = load_tokenizer(llm_config)
-        self._legs = SoloLegs()
-        self._tokens_in_flight = 0
+        self._load = PrefillLoad(load_tokenizer(llm_config))
         await warm_up(self, llm_config.model_id, "prefill")
 
     async def chat(self, request, raw_request_info=None):
-        return self._counted(request, await super().chat(request, raw_request_info))
+        return self._load.counted(request, await super().chat(request, raw_request_info))
 
     async def completions(self, request, raw_request_info=None):
-        return self._counted(request, await super().completions(request, raw_request_info))
+        return self._load.counted(request, await super().completions(request, raw_request_info))
 
-    async def _counted(self, request, chunks):
+    async def record_routing_stats(self) -> dict[str, Any]:
+        stats = await super().record_routing_stats() or {}
+        return self._load.publish_into(stats)
+
+
+class PrefillLoad:
+    """A prefill replica's legs in flight (and their prompt tokens), counted around each leg's chunks, and
+    what its engine took to compute them; without Ray or an engine (``tokenizer``: the model's, or None)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._legs = SoloLegs()
+        self._tokens_in_flight = 0
+
+    async def counted(self, request, chunks):
         # The decode replica counted them already (app.routing.prefill_router); tokenize only a leg that does not say.
         tokens = said_prompt_tokens(request)
         if tokens is None:
@@ -65,8 +77,7 @@ class PrefillServer(PDPrefillServer):
             self._legs.end()
             self._tokens_in_flight -= tokens
 
-    async def record_routing_stats(self) -> dict[str, Any]:
-        stats = await super().record_routing_stats() or {}
+    def publish_into(self, stats: dict[str, Any]) -> dict[str, Any]:
         cost = self._legs.cost
         load = PublishedLoad(self._legs.in_flight, self._tokens_in_flight, time.time(), prefill_cost=cost.line,
                              prefill_cost_fitted=cost.fitted)

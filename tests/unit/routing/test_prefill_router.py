@@ -86,25 +86,21 @@ def test_the_default_prefill_policy_weighs_tokens_over_requests():
 def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_it_again():
     from ray.llm._internal.serve.core.configs.openai_api_models import CompletionRequest
 
-    from app.prefill.server import PrefillServer
+    from app.prefill.server import PrefillLoad
 
-    from app.request.deadlines import SoloLegs
-
-    server = PrefillServer.__new__(PrefillServer)
-    server._tokenizer = None  # a leg that says nothing would count 0
-    server._legs, server._tokens_in_flight = SoloLegs(), 0
+    load = PrefillLoad(tokenizer=None)  # a leg that says nothing would count 0
     seen = []
 
     async def engine_chunks():
-        seen.append((server._legs.in_flight, server._tokens_in_flight))
+        seen.append((load._legs.in_flight, load._tokens_in_flight))
         yield "chunk"
 
     async def run(request):
-        return [chunk async for chunk in server._counted(request, engine_chunks())]
+        return [chunk async for chunk in load.counted(request, engine_chunks())]
 
     assert asyncio.run(run(with_prompt_tokens(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
     asyncio.run(run(CompletionRequest(model="m", prompt="hi")))
-    assert seen == [(1, 4000), (1, 0)] and (server._legs.in_flight, server._tokens_in_flight) == (0, 0)
+    assert seen == [(1, 4000), (1, 0)] and (load._legs.in_flight, load._tokens_in_flight) == (0, 0)
 
 
 def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from_a_router_pickled_by_value():
