@@ -1,42 +1,56 @@
-"""A ``DecodeServer`` without an engine (``decode_server``) and the chunks a request yields from it (``drain``):
-shared by the tests of the decode replica's seams, handoff, conversations and timelines."""
+"""A decode replica's requests without Ray Serve or an engine (``decode_server``: a ``DecodeServing`` given
+stand-ins for the engine's side) and the chunks a request yields from it (``drain``): shared by the tests of the
+decode replica's seams, handoff, conversations and timelines."""
 
 from __future__ import annotations
 
 import asyncio
 import types
 
-def decode_server(local_below: int = 0, prompt_tokens: int = 5, *, mode: str = "push", late_binding: bool = False,
-                  conversations=None, timeout_s: float = 30.0):
-    """A DecodeServer without an engine (Ray's __init__ would start one), set up by its own
-    ``_setup``; Ray's push orchestration is a stand-in that records what it was given."""
+
+def decode_server(local_below: int = 0, prompt_tokens: int | None = 5, *, mode: str = "push", late_binding: bool = False,
+                  conversations=None, timeout_s: float = 30.0, tokenizer=None, engine=None, push=None):
+    """A ``DecodeServing`` (what ``DecodeServer`` builds once its engine is up) with stand-ins for the engine's side:
+    decode's own engine (``engine``; by default it answers ``local-chunk``), Ray's push orchestration (``push``; by
+    default it records what it was given and answers ``remote-chunk``), an engine config of 4096 tokens. Every prompt
+    is ``prompt_tokens`` long (None: as ``tokenizer`` counts it). It records the requests pushed (``seen``), the load
+    while one is (``load``), the route each finished request took (``paths``) and the turns counted (``turns``)."""
+    from app.decode.serving import DecodeServing
     from app.request.deadlines import Deadlines
     from app.routing.planner import PlanSettings
-    from app.decode.server import DecodeServer
     from connector.params import TransferMode
 
-    server = DecodeServer.__new__(DecodeServer)
-    server.paths, server.seen, server.load, server.turns = [], [], [], []
+    paths, seen, load, turns = [], [], [], []
     metrics = types.SimpleNamespace(
         load=lambda ongoing, tokens: None,
-        finished=lambda prefill, stream, first, total: server.paths.append(prefill),
+        finished=lambda prefill, stream, first, total: paths.append(prefill),
         bound=lambda binding, moved: None,
-        turn=lambda *args: server.turns.append(args),
+        turn=lambda *args: turns.append(args),
         retained=lambda count: None,
     )
-    settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
-    deadlines = Deadlines(prefill_floor_s=timeout_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
-    server._setup(settings, replica_id="decode-1", tokenizer=None, deadlines=deadlines,
-                  conversations=conversations, metrics=metrics)
-    server._prompt_token_ids = lambda request: [0] * prompt_tokens
-    server._max_model_len = lambda: 4096
+
+    async def local(endpoint, request, raw=None):
+        async def gen():
+            yield "local-chunk"
+
+        return gen()
 
     async def remote(request, raw=None):
-        server.seen.append((request, raw))
-        server.load.append((server._ongoing, server._tokens_in_flight))
+        seen.append((request, raw))
+        load.append((server._ongoing, server._tokens_in_flight))
         yield "remote-chunk"
 
-    server._pd_handle_request = remote
+    settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
+    deadlines = Deadlines(prefill_floor_s=timeout_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
+    engine_config = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=4096), cache_config=None)
+    server = DecodeServing(
+        settings, replica_id="decode-1", tokenizer=tokenizer, deadlines=deadlines, conversations=conversations,
+        metrics=metrics, engine=engine or local, push=push or remote, prefill=None, backend=lambda: None,
+        vllm_config=lambda: engine_config, engine_started=lambda request_id: False,
+    )
+    server.paths, server.seen, server.load, server.turns = paths, seen, load, turns
+    if prompt_tokens is not None:
+        server._prompt_token_ids = lambda request: [0] * prompt_tokens
     return server
 
 

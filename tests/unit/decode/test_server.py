@@ -41,26 +41,12 @@ def test_decode_server_counts_load_while_a_request_is_in_flight():
     assert (server._ongoing, server._tokens_in_flight) == (0, 0)
 
 
-@pytest.fixture
-def local_engine(monkeypatch):
-    """Decode's own engine (``LLMServer.chat``) answers ``local-chunk``."""
-    from ray.llm._internal.serve.core.server.llm_server import LLMServer
-
-    async def local_chat(self, request, raw=None):
-        async def gen():
-            yield "local-chunk"
-
-        return gen()
-
-    monkeypatch.setattr(LLMServer, "chat", local_chat)
-
-
 def _hi(**kwargs) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], **kwargs)
 
 
 @pytest.mark.parametrize("prompt_tokens, expected", [(3, "local"), (15, "local"), (16, "remote"), (400, "remote")])
-def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_tokens, expected):
+def test_decode_server_prefills_short_prompts_locally(prompt_tokens, expected):
     server = decode_server(local_below=16, prompt_tokens=prompt_tokens)
     assert drain(server, "chat", _hi()) == [f"{expected}-chunk"] and server.paths == [expected]
 
@@ -71,7 +57,7 @@ def test_decode_server_prefills_short_prompts_locally(local_engine, prompt_token
     (_hi(max_tokens=3000), 400, "remote"),
     (_hi(max_tokens=1), 4096, "local"),  # no room for one token: decode's engine refuses it
 ])
-def test_decode_server_serves_alone_what_a_prefill_leg_cannot(local_engine, request_, prompt_tokens, expected):
+def test_decode_server_serves_alone_what_a_prefill_leg_cannot(request_, prompt_tokens, expected):
     server = decode_server(prompt_tokens=prompt_tokens)
     assert drain(server, "chat", request_) == [f"{expected}-chunk"] and server.paths == [expected]
 
@@ -82,19 +68,17 @@ def test_chat_prompts_are_counted_in_tokens_not_in_encoding_keys():
     from transformers import AutoTokenizer
 
     from app.model_source import resolve_model_source
-    from app.decode.server import DecodeServer
 
-    server = DecodeServer.__new__(DecodeServer)
-    server._tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("embedded"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source("embedded"))
+    server = decode_server(prompt_tokens=None, tokenizer=tokenizer)
     chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "Why is the sky blue? " * 10}])
-    expected = server._tokenizer.apply_chat_template(
+    expected = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Why is the sky blue? " * 10}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
     assert server._prompt_token_ids(chat) == list(expected) and len(expected) > 60
 
 
 def test_without_a_tokenizer_every_request_is_disaggregated():
-    server = decode_server(local_below=16)
-    del server._prompt_token_ids  # the real one: no tokenizer, length unknown
+    server = decode_server(local_below=16, prompt_tokens=None)  # no tokenizer: length unknown
     drain(server, "completions", CompletionRequest(model="m", prompt="hi"))
     assert server.paths == ["remote"]

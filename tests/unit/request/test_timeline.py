@@ -87,14 +87,12 @@ def test_a_timeline_is_one_log_line_that_reads_back():
 def _server_answering(chunks):
     from tests.support.decode_server import decode_server
 
-    server = decode_server()
-
     async def remote(request, raw=None):
         server.seen.append((request, raw))
         for chunk in chunks:
             yield chunk
 
-    server._pd_handle_request = remote
+    server = decode_server(push=remote)
     return server
 
 
@@ -121,14 +119,14 @@ def test_a_remote_request_whose_kv_never_landed_is_counted_by_why_decode_recompu
     first token (decode recomputes the prompt first): the request counts under that rung."""
     from connector.stages import DecodeKvStamps
 
-    server = _server_answering([])
+    from tests.support.decode_server import decode_server
 
     async def remote(request, raw=None):
-        server._engine_stamped(DecodeKvStamps(request.request_id, requested=1.0, landed=None if failed else 2.0,
-                                              failed=failed))
+        server.engine_stamped(DecodeKvStamps(request.request_id, requested=1.0, landed=None if failed else 2.0,
+                                             failed=failed))
         yield "chunk"
 
-    server._pd_handle_request = remote
+    server = decode_server(push=remote)
     chunks = _all(server, CompletionRequest(model="m", prompt="hi"))
     assert server.paths == [failed or "remote"]
     assert chunks[0].kv_failure == failed and ("kv_landed" in chunks[0].stamps) == (failed is None)

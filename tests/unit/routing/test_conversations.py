@@ -212,29 +212,28 @@ def test_a_turn_knows_how_much_history_its_replica_holds():
 
 
 @pytest.mark.parametrize("new_user_tokens, path", [(10, "local"), (200, "remote")])
-def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(monkeypatch, new_user_tokens, path):
+def test_a_short_new_turn_is_prefilled_by_decode_from_the_history_it_holds(new_user_tokens, path):
     """routing.local_prefill_below_tokens counts what would have to be computed."""
     import asyncio
 
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
-    from ray.llm._internal.serve.core.server.llm_server import LLMServer
 
     from tests.support.decode_server import decode_server
 
-    server = decode_server(local_below=64, conversations=types.SimpleNamespace(retention_s=100, recompute_threshold=64))
+    async def local(endpoint, request, raw=None):
+        async def gen():
+            yield "local"
+        return gen()
+
+    server = decode_server(local_below=64, conversations=types.SimpleNamespace(retention_s=100, recompute_threshold=64),
+                           engine=local)
     prompts = iter([900, 900 + new_user_tokens])
     server._prompt_token_ids = lambda request: [0] * next(prompts)
 
     async def remote(request, raw, endpoint, served, history=None, keep=False, hand_off=False):
         yield "remote"
 
-    async def local(self, request, raw=None):
-        async def gen():
-            yield "local"
-        return gen()
-
     server._handoff.remote_or_fallback = remote
-    monkeypatch.setattr(LLMServer, "chat", local)
     raw = types.SimpleNamespace(headers={"x-conversation-id": "c"})
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
 
