@@ -246,7 +246,7 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceE
 
 def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
     """KV checksums (connector.kv_checksum, connector.pull_checksum): with the test-only ``fault`` on
-    (``client.kv_fault``; conftest's ``KvFaultSwitch``), one request's KV lands wrong; decode
+    (``client.kv_fault``; ``apps.KvFaultSwitch``), one request's KV lands wrong; decode
     recomputes the prompt, so the answer is still token-identical to one engine, the request is
     counted as prefill="kv_mismatch" and the app log names the mismatch."""
     case = Case(f"kv-fault-{fault}", prompt=f"Checksum drill ({fault}).\n" + long_text(40) + "\nNote 3 says")

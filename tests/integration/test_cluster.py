@@ -26,7 +26,7 @@ from tests.integration.cluster import (
     needs_root,
     running_cluster,
 )
-from tests.integration.conftest import with_args
+from tests.integration.apps import with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 pytestmark = needs_root

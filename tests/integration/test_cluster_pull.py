@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.cluster import CONFIG, assert_kv_crosses_the_nodes, needs_root, running_cluster
-from tests.integration.conftest import with_args
+from tests.integration.apps import with_args
 
 pytestmark = needs_root
 

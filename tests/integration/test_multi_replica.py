@@ -22,7 +22,7 @@ from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
 from tests.integration.cases import CASE_BY_NAME, CASES, Case, assert_token_identical, long_text, parse_generation
-from tests.integration.conftest import EngineGauges, app_client, with_args
+from tests.integration.apps import EngineGauges, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-1p2d.yaml"

@@ -31,7 +31,7 @@ from tests.integration.cases import (
     parse_generation,
 )
 from bench.engine_metrics import delta, scrape
-from tests.integration.conftest import KvFaultSwitch, app_client, with_args
+from tests.integration.apps import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import (
     Conversation,
     assert_corrupted_history_is_recomputed,

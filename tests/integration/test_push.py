@@ -52,7 +52,7 @@ from tests.integration.cases import (
     parse_stream_generation,
     read_stream,
 )
-from tests.integration.conftest import Client, EngineGauges, KvFaultSwitch, running_app
+from tests.integration.apps import Client, EngineGauges, KvFaultSwitch, running_app
 from tests.integration.conversations import (
     Conversation,
     assert_corrupted_history_is_recomputed,
@@ -232,7 +232,7 @@ def test_health_route(client):
 
 
 def test_ready_said_503_while_the_engines_started_and_200_before_the_first_request(client):
-    """Readiness (app.ingress.readiness): the start-up (conftest's wait_ready polls /ready) saw 503,
+    """Readiness (app.ingress.readiness): the start-up (apps.running_app's wait_ready polls /ready) saw 503,
     then 200, and nothing else; `make serve` said so in one line, after both engines warmed up."""
     assert client.app.readiness_seen == [503, 200], client.app.readiness_seen
     r = client.http.get("/ready")

@@ -19,7 +19,7 @@ import yaml
 
 from tests.integration.cases import (CASE_BY_NAME, assert_kv_deadline_recomputes, assert_kv_travelled, assert_token_identical,
                                      assert_wrong_kv_is_caught)
-from tests.integration.conftest import Client, KvFaultSwitch, running_app, with_args
+from tests.integration.apps import Client, KvFaultSwitch, running_app, with_args
 from tests.integration.conversations import (Conversation, assert_corrupted_history_is_recomputed, settled_ours, user_text,
                                              wait_ours)
 

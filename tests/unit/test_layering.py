@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.support.layering import (
@@ -166,3 +168,11 @@ def test_decisions_never_pull_in_vllm(rel):
 def test_bench_core_modules_import_no_heavy_package(rel):
     bad = [str(i) for i in imports_of(rel) if i.top in HEAVY]
     assert not bad, f"{rel} must stay light: " + "; ".join(bad)
+
+
+def test_no_test_module_imports_another_or_a_conftest():
+    """Shared test code lives in tests/support/ or in the integration helper modules (apps, cases, cluster...),
+    never in a test module or a conftest (pytest imports those itself)."""
+    shares = re.compile(r"^\s*(?:from|import)\s+tests\.(?:[\w.]*\.)?(?:test_\w+|conftest)\b", re.MULTILINE)
+    found = [str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("*.py") if shares.search(p.read_text())]
+    assert not found, f"test modules or conftests imported by: {found}"
