@@ -6,9 +6,11 @@ process it started before returning. If a port the config needs is taken on this
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,6 +37,12 @@ def main(argv: list[str]) -> int:
         return 2
     env = new_run_env(keep_existing=True)
     run_id = env[MARKER]
+    # vLLM's processes make their ZeroMQ IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and leave them
+    # there when they are ended: in a directory of the run's own instead, removed with the run (engines of
+    # a cluster we deploy onto, RAY_ADDRESS, have their nodes' environment, not ours).
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in env and not env.get("RAY_ADDRESS"):
+        rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=f"rendezvous-rpc-{run_id[:8]}-")
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
     stop_requested_at: list[float] = []
     child: subprocess.Popen | None = None
@@ -63,6 +71,8 @@ def main(argv: list[str]) -> int:
         code = _wait_for(child, stop_requested_at, gave_up)
     finally:
         left = kill_run(run_id)
+        if rpc_dir is not None:
+            shutil.rmtree(rpc_dir, ignore_errors=True)
         print(
             "[rendezvous] stopped; all processes ended" if not left else f"[rendezvous] could not end {left}",
             file=sys.stderr,

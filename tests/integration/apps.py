@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -28,11 +29,16 @@ def running_app(config: str, log_dir: Path, how: str = "app.tools.run", env: dic
     busy = busy_ports()
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
     app = AppProcess(config, log_dir, how=how, env=env).start()
+    # app.tools.run gives vLLM's IPC sockets a directory of the run's own (plain `serve run` leaves them in /tmp).
+    rpc_dirs = lambda: list(Path(tempfile.gettempdir()).glob(f"rendezvous-rpc-{app.run_id[:8]}-*"))  # noqa: E731
     try:
         app.wait_ready()
+        if how != "serve":
+            assert [d for d in rpc_dirs() if any(d.iterdir())], f"{config}: no engine made its IPC sockets in the run's directory"
         yield app
     finally:
         code = app.interrupt()
+        assert not rpc_dirs(), f"{config}: the run's IPC socket directory outlived it: {rpc_dirs()}"
         if how == "serve":
             # Plain `serve run` has no sweep of ours: the connector ties each engine to its
             # replica, so Serve's own shutdown must end the engines. Ray's own lingering

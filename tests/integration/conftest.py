@@ -53,7 +53,10 @@ def log_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference():
-    engine = ReferenceEngine(REFERENCE_CONFIG)
+def reference(tmp_path_factory):
+    # Its engine's ZeroMQ IPC sockets in the session's temporary directory, not left in /tmp.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("reference-rpc")))
+        engine = ReferenceEngine(REFERENCE_CONFIG)
     yield engine
     engine.close()
