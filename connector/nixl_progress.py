@@ -8,7 +8,7 @@ connected agents, idle): 1.99 cores at 0 ms, 0.05 at 1 ms, with the same transfe
 because the thread is woken by the UCX workers' event descriptors, not by the timeout.
 On a 2-core box three such engines took most of the CPU from the engines' real work. At
 10 ms (2026-12-05, vLLM 0.32) a decode engine waiting for pushed KV spends 0.018 of a core
-less than at 1 ms, with the same TTFT (docs/benchmarks.md, "Why push lost on long prompts").
+less than at 1 ms, with the same TTFT (docs/investigations.md, "Why push lost on long prompts").
 
 The LIBFABRIC backend (EFA) spins the same way, and worse: its progress thread polls its
 completion queues with ``fi_cq_read`` (opened with ``FI_WAIT_NONE``) and sleeps ``pthrDelay``

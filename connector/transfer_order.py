@@ -8,7 +8,7 @@ the start of the step. On CPU the forward is synchronous: the transfers wait for
 forward. In push, a prefill request that finished in step N has its blocks handed to the
 worker with step N+1, so its WRITE waited for all of step N+1 — under load, the next
 prompt's whole prefill (measured: ``transfer`` median 3.0 s against 26 ms alone,
-docs/benchmarks.md "Push under a burst"). Pull's READ and push's registration waited for a
+docs/investigations.md "Push under a burst"). Pull's READ and push's registration waited for a
 decode step the same way.
 
 Where the forward blocks, a step that starts transfers is marked as having synchronous
