@@ -83,8 +83,10 @@ def _is_engine(name: str | None) -> bool:
 
 
 def orphaned_engines() -> list[int]:
-    """vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) whose parent died."""
-    return [p.pid for p in psutil.process_iter(["name", "ppid"]) if _is_engine(p.info["name"]) and p.info["ppid"] == 1]
+    """vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) whose parent died. Not zombies: an engine
+    that already exited and waits for init to reap it holds nothing."""
+    return [p.pid for p in psutil.process_iter(["name", "ppid", "status"])
+            if _is_engine(p.info["name"]) and p.info["ppid"] == 1 and p.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def engine_processes(deployment: str) -> list[int]:
