@@ -50,6 +50,11 @@ def new_run_env(base: dict[str, str] | None = None, *, keep_existing: bool = Fal
     return env
 
 
+def rpc_dir_prefix(run_id: str) -> str:
+    """The name prefix of a run's directory for vLLM's IPC sockets (``app.tools.run`` makes and removes it)."""
+    return f"rendezvous-rpc-{run_id[:8]}-"
+
+
 def _marker_of(pid: int) -> str | None:
     """The run marker in ``pid``'s initial environment. Read by hand, not with psutil's
     ``Process.environ()``: Ray's processes set their title (setproctitle), which overwrites

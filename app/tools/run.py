@@ -19,7 +19,7 @@ import yaml
 
 from app.ingress.readiness import GAVE_UP_TEXT
 from app.tools.preflight import busy_ports, fault_injection_refusal, refusal
-from app.tools.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness
+from app.tools.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness, rpc_dir_prefix
 
 _STOP_GRACE_S = 90
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     # a cluster we deploy onto, RAY_ADDRESS, have their nodes' environment, not ours).
     rpc_dir = None
     if "VLLM_RPC_BASE_PATH" not in env and not env.get("RAY_ADDRESS"):
-        rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=f"rendezvous-rpc-{run_id[:8]}-")
+        rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=rpc_dir_prefix(run_id))
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
     stop_requested_at: list[float] = []
     child: subprocess.Popen | None = None

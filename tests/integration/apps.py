@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from app.tools.procs import BASE_URL, AppProcess, busy_ports, kill_run
+from app.tools.procs import BASE_URL, AppProcess, busy_ports, kill_run, rpc_dir_prefix
 from bench.engine_metrics import RoleMetrics
 from connector.faults import FAULT_FILE_ENV, FAULTS_ALLOWED_ENV
 
@@ -30,7 +30,7 @@ def running_app(config: str, log_dir: Path, how: str = "app.tools.run", env: dic
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
     app = AppProcess(config, log_dir, how=how, env=env).start()
     # app.tools.run gives vLLM's IPC sockets a directory of the run's own (plain `serve run` leaves them in /tmp).
-    rpc_dirs = lambda: list(Path(tempfile.gettempdir()).glob(f"rendezvous-rpc-{app.run_id[:8]}-*"))  # noqa: E731
+    rpc_dirs = lambda: list(Path(tempfile.gettempdir()).glob(rpc_dir_prefix(app.run_id) + "*"))  # noqa: E731
     try:
         app.wait_ready()
         if how != "serve":
