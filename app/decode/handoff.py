@@ -25,10 +25,9 @@ from typing import Any
 from ray.llm._internal.serve.core.configs.openai_api_models import ErrorResponse
 
 from app.request.deadlines import Deadlines
-from app.request.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline, prefill_tokens_ahead
+from app.request.envelope import PREFILL_PICKS, PROMPT_TOKENS, Route
+from app.request.timeline import LEGS_SENT, PREFILL_ANSWERED, RequestTimeline
 from app.routing.late_binding import Prefilled
-from app.routing.planner import Route
-from app.routing.prefill_router import said_prompt_tokens
 from connector.params import (
     KEEP_HISTORY_KEY,
     KV_DEADLINE_KEY,
@@ -90,7 +89,7 @@ class Handoff:
         """Disaggregated prefill; if the handoff fails before anything reached the client,
         the decode engine prefills the prompt itself (a fresh engine request id: the
         aborted one may still be finishing)."""
-        self._work[request.request_id] = said_prompt_tokens(request) or 0
+        self._work[request.request_id] = PROMPT_TOKENS.read(request) or 0
         try:
             async for chunk in self._remote_or_fallback(request, raw_request_info, endpoint, served, history, keep, hand_off):
                 yield chunk
@@ -138,7 +137,7 @@ class Handoff:
         """The prefill leg's deadline from dispatch: its work and, once its prefill replica is
         picked, the work queued ahead of it there (``app.request.deadlines``)."""
         tokens = self._work.get(request_id, 0)
-        return self.deadlines.prefill_s(tokens, prefill_tokens_ahead(request_id) or 0)
+        return self.deadlines.prefill_s(tokens, PREFILL_PICKS.tokens_ahead(request_id) or 0)
 
     async def _first_push_chunk(self, remote: AsyncIterator, request_id: str):
         """Push: the first chunk, but no later than the deadline's floor after the start if Ray's
@@ -243,7 +242,7 @@ class Handoff:
             legs_out.set()
         tokens = self._work.get(request_id, 0)
         deadline_s = self.prefill_deadline_s(request_id)  # its prefill replica is picked by now
-        kv_s = self.deadlines.kv_s(tokens, prefill_tokens_ahead(request_id) or 0)
+        kv_s = self.deadlines.kv_s(tokens, PREFILL_PICKS.tokens_ahead(request_id) or 0)
         if kv_s > self.deadlines.kv_floor_s:  # else the engine's own default (handoff.kv_timeout_s) is the same
             decode_request.kv_transfer_params = {**(decode_request.kv_transfer_params or {}), KV_DEADLINE_KEY: kv_s}
         given_up_at = time.time() + max(kv_s, self.deadlines.kv_floor_s)

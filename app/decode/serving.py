@@ -15,29 +15,22 @@ from app.decode.handoff import Handoff, Served
 from app.decode.turns import TurnBook
 from app.replica.prompts import prompt_token_ids
 from app.request.deadlines import Deadlines
-from app.request.fields import DEFAULT_OUTPUT_BUDGET
-from app.request.queue_deadline import (
-    QueueDeadlineMoved,
-    QueueExpired,
-    before_queue_deadline,
-    moving_queue_deadline,
-    queue_deadline_of,
+from app.request.envelope import (
+    DECODE_PICKED_AT,
+    DEFAULT_OUTPUT_BUDGET,
+    PREFILL_PICKS,
+    PROMPT_TOKENS,
+    QUEUE_DEADLINE_AT,
+    Route,
+    conversation_id_of,
 )
-from app.request.timeline import (
-    DECODE_PICKED,
-    FIRST_TOKEN,
-    PREFILL_PICKED,
-    RECEIVED,
-    RequestTimeline,
-    decode_picked_of,
-    prefill_picked_at,
-)
-from app.routing.conversations import CONVERSATION_HEADER, ConversationTable, Turn, continues_a_conversation
+from app.request.queue_deadline import QueueDeadlineMoved, QueueExpired, before_queue_deadline, moving_queue_deadline
+from app.request.timeline import DECODE_PICKED, FIRST_TOKEN, PREFILL_PICKED, RECEIVED, RequestTimeline
+from app.routing.conversations import ConversationTable, Turn, continues_a_conversation
 from app.routing.eligibility import decode_alone_reason
 from app.routing.late_binding import Prefilled
 from app.routing.pipeline import PublishedLoad
-from app.routing.planner import Plan, PlanSettings, RequestFacts, Route, plan
-from app.routing.prefill_router import with_prompt_tokens
+from app.routing.planner import Plan, PlanSettings, RequestFacts, plan
 from connector.params import REUSE_KEY, external_request_id, kv_bytes_per_token, new_transfer_request_id
 from connector.stages import DecodeKvStamps
 
@@ -135,10 +128,10 @@ class DecodeServing:
         history = None
         if decided.read_back:
             history = self._turns.read_back(turn, request_id, prompt_ids or [])
-        timeline = RequestTimeline(request_id, self._settings.mode.value, decided.route.value, stream)
+        timeline = RequestTimeline(request_id, self._settings.mode, decided.route, stream)
         timeline.stamps.update(prefilled.stamps if prefilled else {})
         timeline.stamp(RECEIVED, received)
-        if (picked := decode_picked_of(request)) is not None:
+        if (picked := DECODE_PICKED_AT.read(request)) is not None:
             timeline.stamp(DECODE_PICKED, picked)
         self._timelines[request_id] = timeline
         if prefilled is not None:
@@ -148,9 +141,9 @@ class DecodeServing:
             gen = await self._engine(endpoint, request, raw_request_info)
         else:
             gen = self._handoff.remote_or_fallback(
-                with_prompt_tokens(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
+                PROMPT_TOKENS.copy_with(request, prompt_tokens), raw_request_info, endpoint, served, history, decided.keep, decided.hand_off
             )
-        if (waited := queue_deadline_of(request)) is not None:
+        if (waited := QUEUE_DEADLINE_AT.read(request)) is not None:
             def deadline() -> float:
                 # The time a request may wait is the setting's; the time it takes to compute is its own, read
                 # again while it waits (the cost it is sized by may be published meanwhile: app.request.deadlines). Once
@@ -176,9 +169,9 @@ class DecodeServing:
                 if first is None and not isinstance(chunk, (Prefilled, QueueExpired, QueueDeadlineMoved)):
                     first = time.monotonic() - started
                     timeline.stamp(FIRST_TOKEN, time.time())
-                    if (picked := prefill_picked_at(request_id)) is not None:
+                    if (picked := PREFILL_PICKS.take_picked_at(request_id)) is not None:
                         timeline.stamp(PREFILL_PICKED, picked)
-                    timeline.route = served.route.value
+                    timeline.route = served.route
                     if not timeline.stream and not isinstance(chunk, ErrorResponse):
                         yield timeline  # the ingress reads it before the response it answers with
                 yield chunk
@@ -203,8 +196,7 @@ class DecodeServing:
                 self._turns.end(turn, served.route, request_id, prompt_ids or [])
 
     def _begin_turn(self, request, raw_request_info, request_id: str) -> Turn | None:
-        headers = getattr(raw_request_info, "headers", None) or {}
-        conversation_id = headers.get(CONVERSATION_HEADER)
+        conversation_id = conversation_id_of(raw_request_info)
         if not conversation_id or self._turns is None:
             return None
         return self._turns.begin(conversation_id, request_id, continues_a_conversation(request))

@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from app.request.envelope import Route
 from app.routing.conversations import ConversationTable, Turn
-from app.routing.planner import PlanSettings, Route, turn_outcome
+from app.routing.planner import PlanSettings, turn_outcome
 from connector.params import REUSE_REPORT_KEY, ReuseReason, ReuseReport, pull_history_params, verified_history_tokens
 
 logger = logging.getLogger("ray.serve." + __name__)

@@ -37,18 +37,16 @@ from vllm.exceptions import VLLMClientError
 from app.config.args import IngressArgs
 from app.ingress import metrics
 from app.ingress.readiness import RETRY_AFTER_S, ReadinessProbe
-from app.request.fields import DEFAULT_OUTPUT_BUDGET
-from app.request.queue_deadline import (
-    RECHECK_S,
-    QueueDeadline,
-    QueueDeadlineMoved,
-    QueueDeadlinePassed,
-    QueueExpired,
-    mark_queue_deadline,
+from app.request.envelope import (
+    CONVERSATION_HEADER,
+    CONVERSATION_ID_PATTERN,
+    CONVERSATION_ID_RULE,
+    DEFAULT_OUTPUT_BUDGET,
+    QUEUE_DEADLINE_AT,
 )
+from app.request.queue_deadline import RECHECK_S, QueueDeadline, QueueDeadlineMoved, QueueDeadlinePassed, QueueExpired
 from app.request.timeline import ARRIVED, FIRST_CHUNK, FIRST_TOKEN, RequestTimeline
 from app.routing.admission import Admission, Decision, Verdict
-from app.routing.conversations import CONVERSATION_HEADER, CONVERSATION_ID_PATTERN, CONVERSATION_ID_RULE
 from app.routing.late_binding import Prefilled
 
 logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
@@ -253,7 +251,7 @@ def _crashes_the_model(path: str, payload: dict) -> str | None:
 def record_timeline(timeline: RequestTimeline) -> None:
     """Export one finished request's stage durations and log its timeline as one line."""
     for stage, seconds in timeline.stages().items():
-        metrics.stage_seconds().observe(seconds, tags={"mode": timeline.mode, "stage": stage})
+        metrics.stage_seconds().observe(seconds, tags={"mode": timeline.mode.value, "stage": stage})
     logger.info("%s", timeline.to_log_line())
 
 
@@ -336,7 +334,7 @@ class Ingress(OpenAiIngress):
         if deadline is None:
             return await self._answer(body, call_method, raw_request)
         # The decode replica adds the request's own work to it (app.request.queue_deadline).
-        mark_queue_deadline(body, deadline.at)
+        QUEUE_DEADLINE_AT.write(body, deadline.at)
         if not getattr(body, "stream", False):
             # A whole answer comes at its end: the decode replica, which can ask its engine, tells
             # whether the request started by the deadline.

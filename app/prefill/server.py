@@ -17,8 +17,8 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PD
 from app.replica.prompts import load_tokenizer, prompt_token_ids
 from app.replica.warmup import warm_up
 from app.request.deadlines import SoloLegs
+from app.request.envelope import PROMPT_TOKENS
 from app.routing.pipeline import PublishedLoad
-from app.routing.prefill_router import said_prompt_tokens
 from connector.params import STAGES_KEY
 from connector.ray_backend import register_backends
 from connector.stages import PrefillStages
@@ -60,7 +60,7 @@ class PrefillLoad:
 
     async def counted(self, request, chunks):
         # The decode replica counted them already (app.routing.prefill_router); tokenize only a leg that does not say.
-        tokens = said_prompt_tokens(request)
+        tokens = PROMPT_TOKENS.read(request)
         if tokens is None:
             tokens = len(prompt_token_ids(self._tokenizer, request) or ())
         ticket = self._legs.begin()

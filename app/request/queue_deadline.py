@@ -2,7 +2,7 @@
 
 The setting is how long a request may *wait*; the time its own prompt takes to compute is added
 by the decode replica, which knows it (``app.request.deadlines``: a 4k-token prompt on a slow box is not
-a queued request). The ingress writes the deadline into the request (``QUEUE_DEADLINE_FIELD``).
+a queued request). The ingress writes the deadline into the request (``app.request.envelope.QUEUE_DEADLINE_AT``).
 
 A stream's deadline is then kept by the ingress: upstream returns a stream's response at its
 first chunk, so the ingress waits for that, until the deadline the decode replica sends back
@@ -25,13 +25,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from app.request.fields import float_field, set_float_field
 from connector.params import external_request_id
 
 logger = logging.getLogger("ray.serve." + __name__)
 
-# The request field that carries the deadline (epoch seconds) to the decode replica.
-QUEUE_DEADLINE_FIELD = "rendezvous_queue_deadline"
 RECHECK_S = 1.0  # how often a deadline that may move is read again while nothing came
 MOVED_BY_S = 1.0  # a stream's deadline is sent again when it moved this much
 
@@ -63,14 +60,6 @@ class QueueDeadlineMoved:
 
 class QueueDeadlinePassed(Exception):
     """Raised in the ingress when its decode replica answered ``QueueExpired``."""
-
-
-def mark_queue_deadline(request: Any, at: float) -> None:
-    set_float_field(request, QUEUE_DEADLINE_FIELD, at)
-
-
-def queue_deadline_of(request: Any) -> float | None:
-    return float_field(request, QUEUE_DEADLINE_FIELD)
 
 
 async def before_queue_deadline(

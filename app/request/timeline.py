@@ -1,27 +1,24 @@
-"""Where a request's time to first token went: one timeline per request (pure, but for the
-prefill routers' picks kept until the decode replica reads them: :func:`record_prefill_pick`).
+"""Where a request's time to first token went: one timeline per request (pure).
 
-Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival,
-first chunk out), its decode router (the pick, carried to the decode replica on the
-request: :func:`mark_decode_picked`), the decode replica (received, legs sent, prefill's
-answer in, first token out of its engine; its prefill router's pick), the prefill engine (the leg queued, started, finished: in
-prefill's response) and the decode engine (KV asked for and landed, and push's WRITE start that
-prefill's worker told it: datagrams to its replica); see ``connector.stages``. The decode replica sends its stamps to the
-ingress at the end of a stream (before the response when not streamed) as a
-:class:`RequestTimeline`; the ingress adds its own, exports each stage's duration
-(``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line
-(``LOG_MARKER``), which ``python -m bench timeline`` reads.
+Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress (arrival, first chunk out), its
+decode router (the pick, carried to the decode replica on the request: ``app.request.envelope.DECODE_PICKED_AT``),
+the decode replica (received, legs sent, prefill's answer in, first token out of its engine; its prefill router's
+pick: ``envelope.PREFILL_PICKS``), the prefill engine (the leg queued, started, finished: in prefill's response) and
+the decode engine (KV asked for and landed, and push's WRITE start that prefill's worker told it: datagrams to its
+replica); see ``connector.stages``. The decode replica sends its stamps to the ingress at the end of a stream
+(before the response when not streamed) as a :class:`RequestTimeline`; the ingress adds its own, exports each
+stage's duration (``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line (``LOG_MARKER``),
+which ``python -m bench timeline`` reads.
 """
 
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.request.fields import float_field, set_float_field
-from app.routing.planner import Route
+from app.request.envelope import Route
+from connector.params import TransferMode
 from connector.stages import DecodeKvStamps, KvFailure, PrefillStages
 
 # Log lines that carry a timeline start with this, then the JSON.
@@ -42,46 +39,6 @@ WRITE_STARTED = "write_started"  # push: prefill's worker began the WRITE (via d
 KV_LANDED = "kv_landed"  # decode engine: the KV is all there
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
 FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
-
-# The request field that carries the decode router's pick to the decode replica.
-DECODE_PICKED_FIELD = "rendezvous_decode_picked"
-
-
-def mark_decode_picked(request: Any, at: float) -> None:
-    """The decode router, on the request it is about to send (Serve sends the arguments
-    after the pick): when it picked. A later pick of the same request replaces it."""
-    set_float_field(request, DECODE_PICKED_FIELD, at)
-
-
-def decode_picked_of(request: Any) -> float | None:
-    return float_field(request, DECODE_PICKED_FIELD)
-
-
-# Request id -> (when the prefill router picked its prefill replica, the prompt tokens already in flight there),
-# until the decode replica reads it (same process). Here, not in app.routing.prefill_router: Serve pickles a request
-# router's module *by value*, so the router's module-level state would be a copy; this module is imported by
-# reference from both sides.
-_PREFILL_PICKS: OrderedDict[str, tuple[float, int]] = OrderedDict()
-_PREFILL_PICKS_KEPT = 10_000  # picks whose request never reached a first token are dropped oldest first
-
-
-def record_prefill_pick(request_id: str, at: float, tokens_ahead: int = 0) -> None:
-    _PREFILL_PICKS[request_id] = (at, tokens_ahead)
-    if len(_PREFILL_PICKS) > _PREFILL_PICKS_KEPT:
-        _PREFILL_PICKS.popitem(last=False)
-
-
-def prefill_picked_at(request_id: str) -> float | None:
-    """When the prefill router picked ``request_id``'s prefill replica (the last pick); once."""
-    picked = _PREFILL_PICKS.pop(request_id, None)
-    return picked[0] if picked else None
-
-
-def prefill_tokens_ahead(request_id: str) -> int | None:
-    """The prompt tokens in flight on ``request_id``'s prefill replica when it was picked; None before the pick."""
-    picked = _PREFILL_PICKS.get(request_id)
-    return picked[1] if picked else None
-
 
 # Stage name -> (from, to). A stage is exported when both stamps exist.
 STAGES: dict[str, tuple[str, str]] = {
@@ -110,7 +67,8 @@ _REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill
                 "write_wait", "write", "read", "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
 # Pull registers nothing: its blocks are allocated after prefill answered, then it READs.
-_MODE_ONLY = {"register": "push", "write_wait": "push", "write": "push", "read": "pull"}
+_MODE_ONLY = {"register": TransferMode.PUSH, "write_wait": TransferMode.PUSH, "write": TransferMode.PUSH,
+              "read": TransferMode.PULL}
 
 
 @dataclass
@@ -118,11 +76,14 @@ class RequestTimeline:
     """The stamps of one request (decode replica -> ingress, in the response stream)."""
 
     request_id: str
-    mode: str  # push | pull
-    route: str  # app.routing.planner.Route: remote | local | fallback
+    mode: TransferMode
+    route: Route
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
     kv_failure: str | None = None  # connector.stages.KvFailure: the KV never landed, decode recomputed the prompt
+
+    def __post_init__(self) -> None:
+        self.mode, self.route = TransferMode(self.mode), Route(self.route)  # their strings, as a log line has them
 
     def stamp(self, name: str, at: float) -> None:
         self.stamps.setdefault(name, at)  # the first time counts
@@ -159,7 +120,8 @@ class RequestTimeline:
         return out
 
     def to_log_line(self) -> str:
-        return LOG_MARKER + json.dumps({**asdict(self), "stages": self.stages()}, sort_keys=True)
+        line = {**asdict(self), "mode": self.mode.value, "route": self.route.value, "stages": self.stages()}
+        return LOG_MARKER + json.dumps(line, sort_keys=True)
 
     @classmethod
     def from_log_line(cls, line: str) -> RequestTimeline | None:
@@ -171,4 +133,7 @@ class RequestTimeline:
         except ValueError:
             return None
         raw.pop("stages", None)
-        return cls(**raw)
+        try:
+            return cls(**raw)
+        except ValueError:  # a mode or route this version does not know
+            return None

@@ -14,21 +14,11 @@ the engines from the token ids themselves (``connector.push_reuse``).
 from __future__ import annotations
 
 import math
-import re
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# The ingress moves a body ``conversation_id`` here; the router and decode replicas read it.
-CONVERSATION_HEADER = "x-conversation-id"
-CONVERSATION_ID_PATTERN = re.compile(r"[A-Za-z0-9._:@-]{1,128}")
-CONVERSATION_ID_RULE = "a string of 1 to 128 characters from A-Z a-z 0-9 . _ : @ -"
-
-# Why a turn did not try to reuse history (``Turn.reason`` when ``reuse`` is False).
-FIRST_TURN = "first_turn"
-EXPIRED = "expired"  # this replica held it, but retention_s passed since its last turn
-REPLICA_GONE = "replica_gone"  # it continues a conversation this replica holds nothing of
-ATTEMPT = "attempt"  # reuse is tried; the engines report the outcome
+from app.request.envelope import TurnReason
 
 
 @dataclass(frozen=True)
@@ -36,7 +26,7 @@ class Turn:
     conversation_id: str
     cache_salt: str
     reuse: bool
-    reason: str
+    reason: TurnReason  # ATTEMPT when reuse, else why not
     # Prompt tokens of the conversation's last finished turn here: a lower bound of the
     # history decode holds (its answer is held too), for deciding where to prefill.
     held_tokens: int = 0
@@ -61,9 +51,10 @@ class ConversationTable:
     def begin(self, conversation_id: str, now: float, continuation: bool) -> Turn:
         entry = self._entries.get(conversation_id)
         if entry is not None and (entry.active or now < entry.expires_at):
-            turn = Turn(conversation_id, entry.salt, True, ATTEMPT, entry.held_tokens)
+            turn = Turn(conversation_id, entry.salt, True, TurnReason.ATTEMPT, entry.held_tokens)
         else:
-            reason = EXPIRED if entry is not None else REPLICA_GONE if continuation else FIRST_TURN
+            reason = (TurnReason.EXPIRED if entry is not None else TurnReason.REPLICA_GONE if continuation
+                      else TurnReason.FIRST_TURN)
             # A new salt: KV of an expired retention is never reached again.
             entry = _Entry(salt=f"rdv-conv:{conversation_id}:{uuid.uuid4().hex[:12]}", expires_at=math.inf)
             self._entries[conversation_id] = entry

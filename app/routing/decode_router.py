@@ -34,8 +34,7 @@ from typing import Any
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 from ray.serve.metrics import Counter as MetricCounter
 
-from app.request.timeline import mark_decode_picked
-from app.routing.conversations import CONVERSATION_HEADER
+from app.request.envelope import DECODE_PICKED_AT, conversation_id_of
 from app.routing.pipeline import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 
 logger = logging.getLogger("ray.serve." + __name__)
@@ -72,15 +71,15 @@ def ranked(decision: Decision, by_id: dict) -> list[list]:
 def conversation_of(pending_request) -> str | None:
     """The conversation id of a request to ``DecodeServer.chat/completions(body, raw_request_info)``."""
     args = getattr(pending_request, "args", None) or ()
-    headers = getattr(args[1], "headers", None) if len(args) > 1 else None
-    return (headers or {}).get(CONVERSATION_HEADER)
+    return conversation_id_of(args[1]) if len(args) > 1 else None
 
 
 def _stamp_pick(pending_request) -> None:
-    """The request's timeline: when its decode replica was picked (app.request.timeline)."""
+    """The request's timeline: when its decode replica was picked (app.request.timeline). Serve sends the
+    arguments after the pick; a later pick of the same request replaces it."""
     args = getattr(pending_request, "args", None) or ()
     if args:
-        mark_decode_picked(args[0], time.time())
+        DECODE_PICKED_AT.write(args[0], time.time())
 
 
 def snapshot_from_stats(

@@ -6,7 +6,7 @@ stays bound to the replica holding its history). A disaggregated request without
 conversation is only prefilled there: the entry replica runs the prefill leg and answers
 with a :class:`Prefilled` instead of decoding. The ingress then sends the request through
 the decode router once more, which picks by the load at *that* moment, with the
-prefilled KV's address attached under ``PREFILLED_KEY``. The ingress drops whatever a
+prefilled KV's address attached (``app.request.envelope.PREFILLED_KEY``). The ingress drops whatever a
 client put in ``kv_transfer_params``, so only it can attach one.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-PREFILLED_KEY = "rendezvous_prefilled"
+from app.request.envelope import prefilled_of, with_prefilled
 
 
 @dataclass(frozen=True)
@@ -27,10 +27,9 @@ class Prefilled:
 
     def attach_to(self, body: Any) -> Any:
         """``body`` (the client's request) as the ingress sends it to be decoded."""
-        return body.model_copy(update={"kv_transfer_params": {PREFILLED_KEY: asdict(self)}})
+        return with_prefilled(body, asdict(self))
 
     @classmethod
     def attached_to(cls, request: Any) -> Prefilled | None:
-        params = getattr(request, "kv_transfer_params", None) or {}
-        raw = params.get(PREFILLED_KEY)
-        return cls(**raw) if isinstance(raw, dict) else None
+        raw = prefilled_of(request)
+        return cls(**raw) if raw is not None else None

@@ -8,19 +8,10 @@ table-driven tests that start nothing (tests/unit/routing/test_planner.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
+from app.request.envelope import Route
 from app.routing.conversations import Turn
 from connector.params import ReuseReason, ReuseReport, TransferMode
-
-
-class Route(str, Enum):
-    """How a request was prefilled; the ``prefill`` label of ``rendezvous_requests``."""
-
-    LOCAL = "local"  # by the decode engine itself: a short prompt, or one a prefill leg cannot serve
-    REMOTE = "remote"  # disaggregated
-    FALLBACK = "fallback"  # the handoff failed; decode prefilled it itself
-    HANDED_OFF = "handed_off"  # prefilled here, decoded on the replica the ingress picked next (late binding)
 
 
 # What became of a conversation turn's history, beyond Turn.reason and ReuseReport.reason.
@@ -83,7 +74,7 @@ def cache_salt(client_salt: str | None, ours: str) -> str:
 def turn_outcome(turn: Turn, route: Route, settings: PlanSettings, report: ReuseReport | None) -> str:
     """What became of a turn's history (the ``history`` label of ``rendezvous_conversation_turns``)."""
     if not turn.reuse:
-        return turn.reason
+        return turn.reason.value
     if route is not Route.REMOTE:
         return route.value  # local: decode prefilled it from its own cache; fallback
     if settings.mode is not TransferMode.PUSH and not settings.upstream_history:

@@ -6,8 +6,7 @@ handle lives in its process), so this router combines:
 
 * the prompt tokens of the legs this router sent that have not completed — exact and
   immediate; ``DecodeServer`` writes each leg's prompt length on the request it sends
-  (:data:`PROMPT_TOKENS_FIELD`, :func:`with_prompt_tokens`), and text length stands in
-  for a leg without it;
+  (``app.request.envelope.PROMPT_TOKENS``), and text length stands in for a leg without it;
 * what each ``PrefillServer`` publishes every ``routing.stats_period_s``: the prompt tokens
   of every router's legs in flight there, seconds late on a busy box.
 
@@ -27,7 +26,7 @@ from typing import Any
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from app.request.deadlines import published_prefill_costs
-from app.request.timeline import record_prefill_pick
+from app.request.envelope import PROMPT_TOKENS, record_prefill_pick
 from app.routing.decode_router import count_pick, ranked, snapshot_from_stats
 from app.routing.pipeline import PublishedLoad, RouteRequest, RoutingPolicy, pick
 
@@ -35,25 +34,11 @@ logger = logging.getLogger("ray.serve." + __name__)
 
 _CHARS_PER_TOKEN = 4  # when a leg does not say its prompt length
 _REMEMBERED = 10_000  # legs in flight this router keeps track of, at most
-# An extra field of the OpenAI request model (which allows them): the prompt tokens of the
-# leg as the decode replica counted them. It travels with the request's copies (both legs).
-PROMPT_TOKENS_FIELD = "rendezvous_prompt_tokens"
-
-
-def with_prompt_tokens(request: Any, prompt_tokens: int) -> Any:
-    """``request`` saying its prompt length to the prefill router."""
-    return request.model_copy(update={PROMPT_TOKENS_FIELD: prompt_tokens})
-
-
-def said_prompt_tokens(request: Any) -> int | None:
-    """The prompt tokens a leg says it has (:data:`PROMPT_TOKENS_FIELD`), if it says."""
-    said = getattr(request, PROMPT_TOKENS_FIELD, None)
-    return said if isinstance(said, int) and not isinstance(said, bool) and said >= 0 else None
 
 
 def leg_tokens(request: Any) -> int:
     """The prompt tokens of a prefill leg: as it says, else estimated from its text."""
-    said = said_prompt_tokens(request)
+    said = PROMPT_TOKENS.read(request)
     if said is not None:
         return said
     prompt = getattr(request, "prompt", None)

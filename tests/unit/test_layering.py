@@ -8,7 +8,8 @@
   ``decode/``, ``prefill/``) import none of one another; the shared packages (``config/``, ``routing/``,
   ``request/``, ``replica/``) import no role; ``config/`` imports only ``config/`` and ``routing/`` of ``app``;
   nothing in ``app/`` outside ``tools/`` imports ``tools/`` (nor does ``connector/``); only the composition
-  roots and the model's resolution sit at the top of ``app/``.
+  roots and the model's resolution sit at the top of ``app/``;
+* ``app/request/envelope.py`` imports nothing of ``app``: everything else reads the envelope from it.
 """
 
 from __future__ import annotations
@@ -149,6 +150,12 @@ def test_config_imports_only_config_and_routing(rel):
     bad = [str(i) for i in imports_of(rel)
            if i.top == "app" and imported_package(i.module) not in ("config", "routing")]
     assert not bad, f"{rel}: config/ imports only config/ and routing/ of app: " + "; ".join(bad)
+
+
+def test_the_envelope_imports_nothing_of_app():
+    """The routers, the roles and the timeline all read the envelope: it sits below them."""
+    bad = [str(i) for i in imports_of("app/request/envelope.py") if i.top == "app"]
+    assert not bad, "app/request/envelope.py imports nothing of app: " + "; ".join(bad)
 
 
 @pytest.mark.parametrize("rel", [rel for rel in ALL_FILES if app_package(rel) != TOOLS])

@@ -13,8 +13,8 @@ from vllm.entrypoints.serve.engine.protocol import ErrorInfo
 
 from app.decode.handoff import Handoff, HandoffFailed, Served
 from app.request.deadlines import Deadlines
+from app.request.envelope import PROMPT_TOKENS, Route
 from app.routing.late_binding import Prefilled
-from app.routing.planner import Route
 from connector.params import TransferMode
 
 
@@ -350,7 +350,6 @@ def test_the_prefill_deadline_is_sized_to_the_legs_work(prompt_tokens, route):
     """app.request.deadlines: a 0.05 s floor, prefill at 1,000 tokens/s and a margin of 3. A leg that takes 0.15 s is past
     the floor: a 1-token prompt (expected 1 ms) falls back at it; a 100-token one (expected 0.1 s, deadline 0.3 s) is
     waited for. The decode leg tells its engine the matching KV deadline (connector.push_deadline)."""
-    from app.routing.prefill_router import with_prompt_tokens
     from connector.params import KV_DEADLINE_KEY
 
     handoff = _handoff(decode_after_s=0.15)
@@ -365,7 +364,7 @@ def test_the_prefill_deadline_is_sized_to_the_legs_work(prompt_tokens, route):
 
     handoff._push = push
     served = Served(Route.REMOTE)
-    request = with_prompt_tokens(CompletionRequest(model="m", prompt="hi", request_id="rdv-1"), prompt_tokens)
+    request = PROMPT_TOKENS.copy_with(CompletionRequest(model="m", prompt="hi", request_id="rdv-1"), prompt_tokens)
     chunks, error = _collect(handoff.remote_or_fallback(request, None, "completions", served))
     assert (error, served.route) == (None, route)
     if route is Route.REMOTE:

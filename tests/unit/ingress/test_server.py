@@ -341,7 +341,8 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress
 
     from app.ingress.server import Ingress, _move_deadline
-    from app.request.queue_deadline import QueueDeadline, QueueDeadlinePassed, queue_deadline_of
+    from app.request.envelope import QUEUE_DEADLINE_AT
+    from app.request.queue_deadline import QueueDeadline, QueueDeadlinePassed
 
     class Call:
         cancelled = False
@@ -392,7 +393,7 @@ def test_a_request_not_started_by_the_queue_deadline_is_a_503(monkeypatch):
     assert stream.state.rendezvous_expired is True and late.state.rendezvous_expired is True
     assert answered.status_code == 200 and not hasattr(whole.state, "rendezvous_expired")
     # The whole answers carried the deadline to the replica; only the stream's call was cancelled here.
-    assert queue_deadline_of(whole_body) == whole.state.rendezvous_deadline.at
+    assert QUEUE_DEADLINE_AT.read(whole_body) == whole.state.rendezvous_deadline.at
     assert [call.cancelled for call in handle.calls] == [True, False, False, False]
 
 

@@ -17,10 +17,9 @@ from app.request.queue_deadline import (
     QueueExpired,
     before_queue_deadline,
     engine_has_started,
-    mark_queue_deadline,
     moving_queue_deadline,
-    queue_deadline_of,
 )
+from app.request.envelope import QUEUE_DEADLINE_AT
 
 
 class Engine:
@@ -140,10 +139,10 @@ def test_the_deadline_travels_on_a_request_to_the_decode_replica():
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest
 
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
-    assert queue_deadline_of(body) is None
-    mark_queue_deadline(body, 1234.5)
+    assert QUEUE_DEADLINE_AT.read(body) is None
+    QUEUE_DEADLINE_AT.write(body, 1234.5)
     copied = pickle.loads(pickle.dumps(body.model_copy(update={"request_id": "rdv-1"})))
-    assert queue_deadline_of(copied) == 1234.5
+    assert QUEUE_DEADLINE_AT.read(copied) == 1234.5
 
 
 def test_the_ingress_turns_a_replicas_queue_expired_into_its_503(monkeypatch):

@@ -84,6 +84,26 @@ def test_a_timeline_is_one_log_line_that_reads_back():
     assert RequestTimeline.from_log_line("INFO something else") is None
 
 
+def test_the_log_line_and_the_stage_labels_say_mode_and_route_as_plain_strings(monkeypatch):
+    """``python -m bench timeline`` and the dashboards read these strings; the fields themselves are enums."""
+    import app.ingress.server as ingress
+    from app.request.envelope import Route
+    from connector.params import TransferMode
+
+    observed, logged = [], []
+    monkeypatch.setattr(ingress.metrics, "stage_seconds", lambda: SimpleNamespace(
+        observe=lambda seconds, tags: observed.append(tags)))
+    monkeypatch.setattr(ingress.logger, "info", lambda fmt, line: logged.append(line))
+    timeline = RequestTimeline("rdv-1", TransferMode.PULL, Route.FALLBACK, True, {"arrived": 1.0, "first_chunk": 2.0})
+    ingress.record_timeline(timeline)
+    assert observed == [{"mode": "pull", "stage": "ttft"}] and type(observed[0]["mode"]) is str
+    raw = json.loads(logged[0].split(LOG_MARKER, 1)[1])
+    assert (raw["mode"], raw["route"]) == ("pull", "fallback")
+    back = RequestTimeline.from_log_line(logged[0])
+    assert (back.mode, back.route) == (TransferMode.PULL, Route.FALLBACK)
+    assert RequestTimeline.from_log_line(logged[0].replace('"fallback"', '"sideways"')) is None  # a route unknown here
+
+
 def _server_answering(chunks):
     from tests.support.decode_server import decode_server
 
@@ -357,14 +377,14 @@ def test_the_decode_router_stamps_its_pick_on_the_request_it_sends():
 
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
+    from app.request.envelope import DECODE_PICKED_AT
     from app.routing.decode_router import _stamp_pick
-    from app.request.timeline import decode_picked_of
 
     for request in (CompletionRequest(model="m", prompt="hi"), ChatCompletionRequest(model="m", messages=[])):
-        assert decode_picked_of(request) is None
+        assert DECODE_PICKED_AT.read(request) is None
         _stamp_pick(SimpleNamespace(args=(request, None)))
-        first = decode_picked_of(request)
-        assert first is not None and decode_picked_of(request.model_copy()) == first  # survives the replica's copies
+        first = DECODE_PICKED_AT.read(request)
+        assert first is not None and DECODE_PICKED_AT.read(request.model_copy()) == first  # survives the replica's copies
         _stamp_pick(SimpleNamespace(args=(request, None)))  # picked again (the first replica was full)
-        assert decode_picked_of(request) >= first
+        assert DECODE_PICKED_AT.read(request) >= first
     _stamp_pick(SimpleNamespace(args=()))  # nothing to stamp: no error

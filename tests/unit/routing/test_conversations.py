@@ -7,15 +7,8 @@ import types
 
 import pytest
 
-from app.routing.conversations import (
-    ATTEMPT,
-    CONVERSATION_ID_PATTERN,
-    EXPIRED,
-    FIRST_TURN,
-    REPLICA_GONE,
-    ConversationTable,
-    continues_a_conversation,
-)
+from app.request.envelope import CONVERSATION_ID_PATTERN, TurnReason
+from app.routing.conversations import ConversationTable, continues_a_conversation
 from app.routing.pipeline import ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
 from connector.params import ReuseReport
 from tests.support.routing import serve_router
@@ -27,13 +20,13 @@ from tests.support.routing import serve_router
 def test_a_conversation_is_reused_within_retention_and_gets_a_new_salt_after_it():
     table = ConversationTable(retention_s=10)
     first = table.begin("c", now=0, continuation=False)
-    assert (first.reuse, first.reason) == (False, FIRST_TURN)
+    assert (first.reuse, first.reason) == (False, TurnReason.FIRST_TURN)
     table.end(first, now=1)
     second = table.begin("c", now=10.9, continuation=True)
-    assert (second.reuse, second.reason, second.cache_salt) == (True, ATTEMPT, first.cache_salt)
+    assert (second.reuse, second.reason, second.cache_salt) == (True, TurnReason.ATTEMPT, first.cache_salt)
     table.end(second, now=11)
     late = table.begin("c", now=21.5, continuation=True)
-    assert (late.reuse, late.reason) == (False, EXPIRED)
+    assert (late.reuse, late.reason) == (False, TurnReason.EXPIRED)
     assert late.cache_salt != first.cache_salt  # the expired KV can never be reached again
 
 
@@ -51,7 +44,7 @@ def test_a_turn_in_flight_never_expires_and_concurrent_turns_share_the_salt():
 
 def test_a_continuation_this_replica_never_held_is_reported_as_replica_gone():
     turn = ConversationTable(retention_s=10).begin("c", now=0, continuation=True)
-    assert (turn.reuse, turn.reason) == (False, REPLICA_GONE)
+    assert (turn.reuse, turn.reason) == (False, TurnReason.REPLICA_GONE)
 
 
 def test_conversations_are_isolated_and_bounded():

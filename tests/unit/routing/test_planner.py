@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.routing.conversations import ATTEMPT, EXPIRED, FIRST_TURN, Turn
-from app.routing.planner import UNREPORTED, UNSUPPORTED, Plan, PlanSettings, RequestFacts, Route, plan, turn_outcome
+from app.request.envelope import Route, TurnReason
+from app.routing.conversations import Turn
+from app.routing.planner import UNREPORTED, UNSUPPORTED, Plan, PlanSettings, RequestFacts, plan, turn_outcome
 from connector.params import ReuseReport, TransferMode
 
 PUSH = PlanSettings(TransferMode.PUSH, local_prefill_below_tokens=64, late_binding=False, upstream_history=False,
@@ -14,8 +15,8 @@ PULL_LATE = PlanSettings(TransferMode.PULL, 64, late_binding=True, upstream_hist
 PULL_READ_BACK = PlanSettings(TransferMode.PULL, 64, late_binding=True, upstream_history=True, isolate_uncached=False)
 ISOLATED = PlanSettings(TransferMode.PUSH, 64, late_binding=False, upstream_history=False, isolate_uncached=True)
 
-HELD = Turn("c", "salt-c", reuse=True, reason=ATTEMPT, held_tokens=900)
-NEW = Turn("c", "salt-c", reuse=False, reason=FIRST_TURN)
+HELD = Turn("c", "salt-c", reuse=True, reason=TurnReason.ATTEMPT, held_tokens=900)
+NEW = Turn("c", "salt-c", reuse=False, reason=TurnReason.FIRST_TURN)
 
 
 def _facts(tokens: int | None = 500, **kw) -> RequestFacts:
@@ -64,8 +65,8 @@ def test_plan(facts, settings, expected):
 @pytest.mark.parametrize(
     "turn, route, settings, report, outcome",
     [
-        (NEW, Route.REMOTE, PUSH, None, FIRST_TURN),
-        (Turn("c", "s", False, EXPIRED), Route.LOCAL, PUSH, None, EXPIRED),
+        (NEW, Route.REMOTE, PUSH, None, "first_turn"),
+        (Turn("c", "s", False, TurnReason.EXPIRED), Route.LOCAL, PUSH, None, "expired"),
         (HELD, Route.LOCAL, PUSH, None, "local"),
         (HELD, Route.FALLBACK, PUSH, ReuseReport("reused", 512), "fallback"),
         (HELD, Route.REMOTE, PUSH, ReuseReport("reused", 512), "reused"),
@@ -76,7 +77,8 @@ def test_plan(facts, settings, expected):
     ],
 )
 def test_turn_outcome(turn, route, settings, report, outcome):
-    assert turn_outcome(turn, route, settings, report) == outcome
+    said = turn_outcome(turn, route, settings, report)
+    assert said == outcome and type(said) is str  # a metric label and a log word, never an enum's name
 
 
 def test_reuse_reports_cross_the_wire_and_bad_ones_are_dropped():

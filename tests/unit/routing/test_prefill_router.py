@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from app.routing.pipeline import RoutingPolicy
-from app.routing.prefill_router import PROMPT_TOKENS_FIELD, LoadAwarePrefillRouter, leg_tokens, with_prompt_tokens
+from app.request.envelope import PROMPT_TOKENS
+from app.routing.prefill_router import LoadAwarePrefillRouter, leg_tokens
 from tests.support.routing import serve_router
 
 
@@ -22,7 +23,7 @@ def _replica(name: str, stats: dict | None = None) -> SimpleNamespace:
 
 
 def _leg(request_id: str, tokens: int | None, prompt: str = "") -> SimpleNamespace:
-    request = SimpleNamespace(request_id=request_id, prompt=prompt, **{PROMPT_TOKENS_FIELD: tokens})
+    request = SimpleNamespace(request_id=request_id, prompt=prompt, **{PROMPT_TOKENS.name: tokens})
     return SimpleNamespace(args=[request, None], metadata=SimpleNamespace(internal_request_id=f"serve-{request_id}"))
 
 
@@ -69,9 +70,9 @@ def test_the_prompt_length_travels_with_the_request_and_its_copies():
     from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
 
     for request in (CompletionRequest(model="m", prompt="z"), ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "z"}])):
-        leg = pickle.loads(pickle.dumps(with_prompt_tokens(request, 42).model_copy(deep=True)))
+        leg = pickle.loads(pickle.dumps(PROMPT_TOKENS.copy_with(request, 42).model_copy(deep=True)))
         assert leg_tokens(leg) == 42
-    assert leg_tokens(SimpleNamespace(prompt="z", **{PROMPT_TOKENS_FIELD: "42"})) == 0  # only an int counts
+    assert leg_tokens(SimpleNamespace(prompt="z", **{PROMPT_TOKENS.name: "42"})) == 0  # only an int counts
 
 
 def test_the_default_prefill_policy_weighs_tokens_over_requests():
@@ -98,7 +99,7 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
     async def run(request):
         return [chunk async for chunk in load.counted(request, engine_chunks())]
 
-    assert asyncio.run(run(with_prompt_tokens(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
+    assert asyncio.run(run(PROMPT_TOKENS.copy_with(CompletionRequest(model="m", prompt="hi"), 4000))) == ["chunk"]
     asyncio.run(run(CompletionRequest(model="m", prompt="hi")))
     assert seen == [(1, 4000), (1, 0)] and (load._legs.in_flight, load._tokens_in_flight) == (0, 0)
 
@@ -106,7 +107,7 @@ def test_the_prefill_replica_publishes_the_tokens_a_leg_says_without_tokenizing_
 def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from_a_router_pickled_by_value():
     """Serve pickles the router's module by value (ray.serve.config: register_pickle_by_value): in the replica the
     router's functions get their own globals, so module-level state of app.routing.prefill_router would be a copy. The
-    pick must land where app.decode.server reads it (app.request.timeline, imported by reference)."""
+    pick must land where app.decode.server reads it (app.request.envelope.PREFILL_PICKS, imported by reference)."""
     from ray import cloudpickle
 
     import app.routing.prefill_router as module
@@ -114,7 +115,7 @@ def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from
     from app.config.args import HandoffArgs
     from app.request.deadlines import Deadlines
     from app.routing.pipeline import PublishedLoad
-    from app.request.timeline import prefill_picked_at
+    from app.request.envelope import PREFILL_PICKS
 
     cloudpickle.register_pickle_by_value(module)
     try:
@@ -125,9 +126,9 @@ def test_the_pick_time_and_the_published_cost_reach_the_decode_replica_even_from
     assert choose.__globals__ is not LoadAwarePrefillRouter.choose_replicas.__globals__  # as in a Serve replica
     published = {"rendezvous": PublishedLoad(0, 0, 1.0, prefill_cost=Line(0.25, 0.002), prefill_cost_fitted=True).publish_into({})["rendezvous"]}
     asyncio.run(choose(_router(), [_replica("a", published)], _leg("timed", 100)))
-    at = prefill_picked_at("timed")
+    at = PREFILL_PICKS.take_picked_at("timed")
     assert at is not None and at > 0
-    assert prefill_picked_at("timed") is None  # read once
+    assert PREFILL_PICKS.take_picked_at("timed") is None  # read once
     # What the prefill replicas published of their cost (Serve hands the router every change of their stats:
     # update_replicas) lands where the decode replica's deadlines read it.
     publish([_replica("a", published)])
