@@ -213,6 +213,8 @@ class AppProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"app exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
+            if (failed := read_deploy_failure()) is not None:  # serve run itself would wait on, serving nothing
+                raise RuntimeError(f"{failed}\n{self.log_tail()}")
             try:
                 status = (read_readiness(f"{self.base_url}/ready") or (None,))[0]
                 if status is not None and (not self.readiness_seen or self.readiness_seen[-1] != status):
@@ -267,10 +269,10 @@ def busy_ports(ports=LOCAL_PORTS) -> list[int]:
     return [port for port in ports if not is_free(port)]
 
 
-def _http(url: str, *, body: dict | None = None, timeout: float) -> tuple[int, bytes]:
+def _http(url: str, *, body: dict | None = None, timeout: float, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     """Status and body of a GET (or, with ``body``, a JSON POST); HTTP errors are answers too."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
@@ -301,6 +303,46 @@ def read_readiness(url: str) -> tuple[int, dict] | None:
     except (OSError, http.client.HTTPException, ValueError):
         return None
     return (status, body) if status in (200, 503) and isinstance(body, dict) and "ready" in body else None
+
+
+# Where the Ray that ``serve run`` starts serves its dashboard, and with it Serve's REST API (Ray's default port).
+DASHBOARD_URL = "http://127.0.0.1:8265"
+
+
+def deploy_failure(details: dict) -> str | None:
+    """Why Serve gave up on an application (status DEPLOY_FAILED: its code did not import or build, or its
+    replicas failed to start again and again), from the dashboard's ``/api/serve/applications/``
+    (Serve's ``ServeInstanceDetails``); None while every application deploys or runs."""
+    for name, app in sorted((details.get("applications") or {}).items()):
+        if isinstance(app, dict) and app.get("status") == "DEPLOY_FAILED":
+            message = str(app.get("message") or "").strip().splitlines()
+            return f"Serve could not deploy application {name!r}: " + "\n".join(message[-12:])
+    return None
+
+
+def ray_auth_headers(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The bearer token Ray's dashboard asks for (Ray 2.59 turns token authentication on for local clusters), from
+    where Ray's token authentication docs say a client finds it: ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH``
+    names, or ``~/.ray/auth_token``; none where there is no token."""
+    env = os.environ if env is None else env
+    token = env.get("RAY_AUTH_TOKEN", "")
+    if not token:
+        path = Path(env["RAY_AUTH_TOKEN_PATH"]) if env.get("RAY_AUTH_TOKEN_PATH") else Path.home() / ".ray" / "auth_token"
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            return {}
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def read_deploy_failure(dashboard_url: str = DASHBOARD_URL) -> str | None:
+    """``deploy_failure`` of the Serve instance behind ``dashboard_url``; None while it cannot be asked."""
+    try:
+        status, raw = _http(f"{dashboard_url}/api/serve/applications/", timeout=5, headers=ray_auth_headers())
+        details = json.loads(raw) if status == 200 else {}
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
+    return deploy_failure(details) if isinstance(details, dict) else None
 
 
 def _joined(cmdline: list[str] | None) -> str:

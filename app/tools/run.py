@@ -19,7 +19,7 @@ import yaml
 
 from app.ingress.readiness import GAVE_UP_TEXT
 from app.tools.preflight import busy_ports, fault_injection_refusal, refusal
-from app.tools.procs import MARKER, base_url_of, kill_run, new_run_env, read_readiness, rpc_dir_prefix
+from app.tools.procs import MARKER, base_url_of, kill_run, new_run_env, read_deploy_failure, read_readiness, rpc_dir_prefix
 
 _STOP_GRACE_S = 90
 
@@ -96,8 +96,9 @@ def _base_url(config: str) -> str:
 def _say_when_ready(config: str, child: subprocess.Popen, gave_up: list[str], period_s: float = 3.0) -> None:
     """One line per change of the app's readiness while it starts, then one line once it
     can answer (``app.ingress.readiness``): what to wait for, instead of reading Ray's logs. Why
-    replicas fail to start, as soon as Serve says; once Serve gives up on them, the app
-    cannot start: say so, note it in ``gave_up`` and stop ``child``."""
+    replicas fail to start, as soon as Serve says; once Serve gives up on them, or on the whole
+    app before its ingress answers (``procs.read_deploy_failure``), the app cannot start: say so,
+    note it in ``gave_up`` and stop ``child``."""
     base = _base_url(config)
     last = failure = None
     while child.poll() is None:
@@ -112,10 +113,12 @@ def _say_when_ready(config: str, child: subprocess.Popen, gave_up: list[str], pe
         if body is not None and (body.get("decode"), body.get("prefill")) != last:
             last = (body.get("decode"), body.get("prefill"))
             print(f"[rendezvous] starting: decode {last[0]}; prefill {last[1]}", file=sys.stderr, flush=True)
-        if body is not None and body.get("failure") and body["failure"] != failure:
-            failure = body["failure"]
+        # No ingress answering: Serve may have given up on the app before it had one (code that does not import).
+        failed = read_deploy_failure() if body is None else None
+        if failed is not None or (body is not None and body.get("failure") and body["failure"] != failure):
+            failure = failed or body["failure"]
             print(f"[rendezvous] {failure}", file=sys.stderr, flush=True)
-            if GAVE_UP_TEXT in failure:
+            if failed is not None or GAVE_UP_TEXT in failure:
                 print("[rendezvous] the app cannot start; stopping", file=sys.stderr, flush=True)
                 gave_up.append(failure)
                 child.send_signal(signal.SIGINT)
