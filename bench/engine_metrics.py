@@ -62,8 +62,14 @@ def export_interval_s() -> float:
 
 
 def settle_quiet_s() -> float:
-    """How long metrics must stay unchanged to count as settled: one export interval and a margin."""
-    return export_interval_s() + 3.0
+    """How long metrics must stay unchanged to count as settled: one export interval and a margin for the
+    metrics agent, which records an export as it arrives (2 s: it is rarely busy when a test waits)."""
+    return export_interval_s() + 2.0
+
+
+# Seconds this process has spent in settle() and wait_for(): the suite's time report shows what waiting
+# for Ray's metric exports costs each module (tests/support/module_times.py).
+waited_s = 0.0
 
 
 def settle(
@@ -83,18 +89,27 @@ def settle(
     if on_timeout not in ("raise", "return"):
         raise ValueError(f"on_timeout must be 'raise' or 'return', not {on_timeout!r}")
     quiet_s = settle_quiet_s() if quiet_s is None else quiet_s
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = None if timeout_s is None else started + timeout_s
     value, since = read(), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        if deadline is not None and time.monotonic() > deadline:
-            if on_timeout == "return":
-                return value
-            raise TimeoutError(f"{what} kept changing; is something else sending requests?")
-        time.sleep(poll_s)
-        latest = read()
-        if latest != value:
-            value, since = latest, time.monotonic()
-    return value
+    try:
+        while time.monotonic() - since < quiet_s:
+            if deadline is not None and time.monotonic() > deadline:
+                if on_timeout == "return":
+                    return value
+                raise TimeoutError(f"{what} kept changing; is something else sending requests?")
+            time.sleep(poll_s)
+            latest = read()
+            if latest != value:
+                value, since = latest, time.monotonic()
+        return value
+    finally:
+        _waited(started)
+
+
+def _waited(started: float) -> None:
+    global waited_s
+    waited_s += time.monotonic() - started
 
 
 def counted_by(url: str, name: str, label: str) -> Counter:
@@ -146,14 +161,18 @@ class RoleMetrics:
 
     def wait_for(self, predicate, timeout_s: float = 60, poll_s: float = 1.0) -> Snapshot:
         """Poll until ``predicate(snapshot)`` is true (Ray exports metrics every few seconds)."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline = started + timeout_s
         snap = self.snapshot()
-        while not predicate(snap):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"metrics never satisfied the condition; last snapshot: {snap}")
-            time.sleep(poll_s)
-            snap = self.snapshot()
-        return snap
+        try:
+            while not predicate(snap):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"metrics never satisfied the condition; last snapshot: {snap}")
+                time.sleep(poll_s)
+                snap = self.snapshot()
+            return snap
+        finally:
+            _waited(started)
 
 
 def delta(after: dict, before: dict, role: str, key: str) -> float:
