@@ -50,10 +50,11 @@ serve: model
 
 # The same app on a head, a prefill and a decode Ray node, each in its own network namespace on this
 # machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.tools.cluster down`
-# removes one left behind.
+# removes one left behind. LINK_MBIT=300 shapes the prefill and decode nodes' links to 300 Mbit/s each way.
 CLUSTER_CONFIG ?= configs/local-cpu-2node.yaml
+LINK_MBIT ?=
 serve-cluster: model
-	$(BIN)/python -m app.tools.cluster up $(CLUSTER_CONFIG)
+	$(BIN)/python -m app.tools.cluster up $(CLUSTER_CONFIG) $(if $(LINK_MBIT),--link-mbit $(LINK_MBIT))
 
 test: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests

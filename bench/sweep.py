@@ -192,6 +192,8 @@ def run_sweep(
                 "modes": [m.value for m in modes],
                 "output_len": output_len,
                 "base_url": base_url,
+                # A cluster of this host's namespaces shaped with --link-mbit: the rate its KV crossed (Mbit/s).
+                "link_mbit": _cluster_link_mbit() if base_url else None,
                 "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
                 "elapsed_s": round(time.monotonic() - start, 1),
                 "skipped": skipped,
@@ -245,6 +247,17 @@ def run_sweep(
             log(f"wrote {path}")
     log(f"done in {(time.monotonic() - start) / 60:.1f} min; results in {out_dir}/results.csv" + (f"; skipped {len(skipped)}" if skipped else ""))
     return all_rows
+
+
+def _cluster_link_mbit() -> float | None:
+    """The rate this host's one-machine cluster (app.tools.cluster) shapes its worker nodes' links to, read from the
+    kernel; None without such a cluster, unshaped, or where it cannot be read (not root, no tc)."""
+    from app.tools.cluster import link_mbit, load_plan  # only a sweep against a running app asks
+
+    try:
+        return link_mbit(load_plan())
+    except (OSError, ValueError):
+        return None
 
 
 def _existing_rows(out_dir: Path, profile: Profile) -> list[dict[str, Any]]:

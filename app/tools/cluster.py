@@ -5,7 +5,8 @@ app served on them (docs/cluster.md). Root only (``ip netns``), as CI runs.
 ``up [CONFIG]`` builds the network, starts Ray on each node with ``ray start`` and runs
 ``python -m app.tools.run CONFIG`` (what ``make serve`` runs) in the head's namespace, in the
 foreground; however it ends (Ctrl-C, SIGTERM, a failed start), it tears everything down.
-``up --no-app`` leaves the bare cluster running instead. ``down`` removes whatever exists of a
+``up --no-app`` leaves the bare cluster running instead; ``up --link-mbit R`` shapes the prefill and decode
+nodes' links to R Mbit/s (``cluster_plan.LinkShape``). ``down`` removes whatever exists of a
 cluster, half-built or not: every process in its namespaces, the namespaces, veths and bridge.
 
 ``kill-node NODE`` ends every process of one worker node at once (SIGKILL), as if its host
@@ -34,6 +35,7 @@ import yaml
 from app.tools.cluster_plan import (
     DEFAULT_PREFIX,
     DEFAULT_SUBNET,
+    NS_DEVICE,
     ClusterPlan,
     Node,
     NodeKind,
@@ -91,9 +93,33 @@ def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 # --------------------------------------------------------------------------- build and tear down
 
 
-def load_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET) -> ClusterPlan:
+def load_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, link_mbit: float | None = None) -> ClusterPlan:
     resources = worker_group_resources(yaml.safe_load(RAYSERVICE.read_text()))
-    return plan_cluster(resources, prefix=prefix, subnet=subnet)
+    return plan_cluster(resources, prefix=prefix, subnet=subnet, link_mbit=link_mbit)
+
+
+def _tbf(node: Node) -> dict | None:
+    """The tbf qdisc shaping traffic out of ``node`` (``LinkShape``), as ``tc -s -j`` reports it, or None."""
+    out = subprocess.run(["tc", "-s", "-j", "-n", node.namespace, "qdisc", "show", "dev", NS_DEVICE],
+                         capture_output=True, text=True)
+    try:
+        qdiscs = json.loads(out.stdout) if out.returncode == 0 else []
+    except ValueError:
+        return None
+    return next((q for q in qdiscs if q.get("kind") == "tbf"), None)
+
+
+def link_mbit(plan: ClusterPlan, kind: NodeKind = NodeKind.PREFILL) -> float | None:
+    """The rate the running cluster's ``kind`` node's link is shaped to (Mbit/s), read from the kernel; None if unshaped."""
+    tbf = _tbf(plan.node(kind))
+    return None if tbf is None else tbf["options"]["rate"] * 8 / 1e6
+
+
+def shaped_out(plan: ClusterPlan, kind: NodeKind) -> tuple[int, int]:
+    """(bytes, overlimits) of the ``kind`` node's shaped link out so far, (0, 0) if unshaped: the bytes that went
+    through the token bucket, and how often a packet had to wait for tokens (the rate held them back)."""
+    tbf = _tbf(plan.node(kind))
+    return (0, 0) if tbf is None else (int(tbf["bytes"]), int(tbf["overlimits"]))
 
 
 def build(plan: ClusterPlan, env: dict[str, str]) -> None:
@@ -214,6 +240,9 @@ def up(plan: ClusterPlan, config: str | None) -> int:
     keep = False
     try:
         build(plan, env)
+        if plan.link is not None:
+            _say(f"links of {' and '.join(n.kind.value for n in plan.shaped_nodes)} shaped to {plan.link.mbit:g} Mbit/s "
+                 f"each way (tbf; the head's is not)")
         if config is None:
             keep = True
             ray_env = " ".join(f"{k}={v}" for k, v in {"RAY_ADDRESS": plan.gcs_address, **auth_env(env["RAY_AUTH_TOKEN"])}.items())
@@ -287,12 +316,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-app", action="store_true", help="up: start the bare cluster and leave it running")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="names of namespaces and links: <prefix>-head, ...")
     parser.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 network for the bridge and nodes")
+    parser.add_argument("--link-mbit", type=float, default=None,
+                        help="up: shape the prefill and decode nodes' links to this rate, both ways (Linux tbf), so KV "
+                        "crosses a link of that rate (docs/cluster.md, 'A shaped link'); default unshaped")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         _say("app.tools.cluster needs root (ip netns, veth pairs, a bridge)")
         return 2
     try:
-        plan = load_plan(args.prefix, args.subnet)
+        plan = load_plan(args.prefix, args.subnet, args.link_mbit)
     except ValueError as e:
         _say(f"cannot plan the cluster: {e}")
         return 2

@@ -39,6 +39,12 @@ _IFNAMSIZ = 15  # Linux interface names: at most 15 characters
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,6}$")
 
 
+# A shaped link (``LinkShape``): tbf queues at most this long before it drops, and lets bursts of this many bytes
+# through at once. veth hands tbf segments of up to 64 KiB (GSO), and tbf drops a packet larger than its burst.
+SHAPE_LATENCY_MS = 50
+SHAPE_MIN_BURST_BYTES = 256 << 10
+
+
 class NodeKind(str, Enum):
     HEAD = "head"
     PREFILL = "prefill"
@@ -61,11 +67,37 @@ class Node:
 
 
 @dataclass(frozen=True)
+class LinkShape:
+    """Each worker node's link at ``mbit`` megabits per second, both ways, as a NIC of that rate would be: Linux's
+    token bucket filter on both ends of the node's veth pair (egress out of the node in its namespace, egress into
+    it on the host end). This kernel has ``tbf``, not ``netem``: a rate, no added delay or loss. The head's link is
+    not shaped (control traffic); KV between prefill and decode crosses two shaped ends at the same rate."""
+
+    mbit: float
+
+    def __post_init__(self):
+        if not 1 <= self.mbit <= 100_000:
+            raise ValueError(f"link rate {self.mbit:g} Mbit/s: between 1 and 100000")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.mbit * 1e6 / 8
+
+    @property
+    def burst_bytes(self) -> int:
+        return max(SHAPE_MIN_BURST_BYTES, int(self.bytes_per_s * 0.005))  # 5 ms of the rate, at least a few GSO segments
+
+    def qdisc(self) -> list[str]:
+        return ["tbf", "rate", f"{self.mbit:g}mbit", "burst", str(self.burst_bytes), "latency", f"{SHAPE_LATENCY_MS}ms"]
+
+
+@dataclass(frozen=True)
 class ClusterPlan:
     prefix: str
     bridge: str
     gateway: ipaddress.IPv4Interface  # the root namespace's address on the bridge
     nodes: tuple[Node, ...]
+    link: LinkShape | None = None  # None: the veths run as fast as the host copies
 
     @property
     def head(self) -> Node:
@@ -111,6 +143,23 @@ class ClusterPlan:
                 ["ip", "-n", n.namespace, "link", "set", NS_DEVICE, "up"],
                 # Ray, Serve and vLLM also talk to 127.0.0.1 inside a node.
                 ["ip", "-n", n.namespace, "link", "set", "lo", "up"],
+            ]
+        return commands + self.shaping_commands()
+
+    @property
+    def shaped_nodes(self) -> list[Node]:
+        return [] if self.link is None else [n for n in self.nodes if n.kind is not NodeKind.HEAD]
+
+    def shaping_commands(self) -> list[list[str]]:
+        """``tc`` commands that shape the worker nodes' links (``LinkShape``); none without a link rate. Deleting
+        a namespace deletes both ends of its veth pair, and their qdiscs with them."""
+        if self.link is None:
+            return []
+        commands = []
+        for n in self.shaped_nodes:
+            commands += [
+                ["tc", "-n", n.namespace, "qdisc", "add", "dev", NS_DEVICE, "root", *self.link.qdisc()],  # out of it
+                ["tc", "qdisc", "add", "dev", n.host_link, "root", *self.link.qdisc()],  # into it
             ]
         return commands
 
@@ -171,9 +220,11 @@ def plan_cluster(
     head_cpus: int = 2,
     worker_cpus: int = 2,
     temp_root: str = "/tmp",
+    link_mbit: float | None = None,
 ) -> ClusterPlan:
     """The cluster's plan. ``worker_resources``: each role's worker group resources (by group
-    name ``prefill`` / ``decode``). Raises ValueError saying why not."""
+    name ``prefill`` / ``decode``); ``link_mbit``: the worker nodes' link rate (``LinkShape``), or
+    unshaped. Raises ValueError saying why not."""
     if not _PREFIX.match(prefix):
         raise ValueError(f"prefix {prefix!r}: 1-7 lowercase letters or digits, starting with a letter "
                          f"(interface names are '<prefix>-prefill', at most {_IFNAMSIZ} characters)")
@@ -202,7 +253,8 @@ def plan_cluster(
         )
         for kind, address in zip(NodeKind, addresses)
     )
-    return ClusterPlan(prefix=prefix, bridge=f"{prefix}-br", gateway=gateway, nodes=nodes)
+    link = None if link_mbit is None else LinkShape(link_mbit)
+    return ClusterPlan(prefix=prefix, bridge=f"{prefix}-br", gateway=gateway, nodes=nodes, link=link)
 
 
 def host_conflict(plan: ClusterPlan, taken: Iterable[str]) -> str | None:

@@ -175,7 +175,7 @@ class AppProcess:
     in its own process group."""
 
     def __init__(self, config: str, log_dir: Path, *, how: str = "app.tools.run", base_url: str = BASE_URL,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, args: list[str] | None = None):
         self.config = config
         self.base_url = base_url
         self.command = {
@@ -185,7 +185,7 @@ class AppProcess:
             "serve": [str(Path(sys.executable).with_name("serve")), "run", config],
             # A three-node cluster on this machine serving it (app.tools.cluster; root).
             "cluster": [sys.executable, "-m", "app.tools.cluster", "up", config],
-        }[how]
+        }[how] + list(args or [])  # args: the command's own options (the cluster's --link-mbit)
         self.env = {**new_run_env(), **(env or {})}  # env: extra variables for every process of the run
         self.run_id = self.env[MARKER]
         self.log_path = Path(log_dir) / f"{Path(config).stem}-{self.run_id[:8]}.log"

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from app.tools.cluster import load_plan, present, teardown
+from app.tools.cluster import link_mbit, load_plan, present, shaped_out, teardown
 from app.tools.cluster_plan import NodeKind
 from app.tools.procs import AppProcess, busy_ports
 from bench.engine_metrics import RoleMetrics
@@ -27,13 +27,14 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def running_cluster(config: str, log_dir: Path):
-    """Serve ``config`` on a fresh cluster; yields a client: ``post`` and ``http`` to the head's
-    proxy, ``metrics`` over the decode and prefill nodes (decode first: the conversation counters
-    live there), ``plan`` and ``app``."""
-    plan = load_plan()
+def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None):
+    """Serve ``config`` on a fresh cluster (its worker nodes' links shaped to ``link_mbit``, if given); yields a
+    client: ``post`` and ``http`` to the head's proxy, ``metrics`` over the decode and prefill nodes (decode
+    first: the conversation counters live there), ``plan`` and ``app``."""
+    plan = load_plan(link_mbit=link_mbit)
     assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.tools.cluster down"
-    app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT))
+    app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT),
+                     args=[] if link_mbit is None else ["--link-mbit", f"{link_mbit:g}"])
     app.start()
     try:
         app.wait_ready(timeout_s=900)
@@ -88,8 +89,10 @@ def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str, ra
     case = CASE_BY_NAME["completion-long"]
     prompt_tokens = len(case.reference(reference).prompt_ids)  # before measuring: the reference engine shares the box
     before = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
+    shaped_before = shaped_out(plan, NodeKind.PREFILL)
     assert_kv_travelled(cluster, reference, config, writer, ranks)
     after = {n.kind: link_bytes(n.host_link) for n in (prefill, decode)}
+    shaped_bytes, held_back = (a - b for a, b in zip(shaped_out(plan, NodeKind.PREFILL), shaped_before))
     out_of_prefill = after[NodeKind.PREFILL][0] - before[NodeKind.PREFILL][0]
     into_decode = after[NodeKind.DECODE][1] - before[NodeKind.DECODE][1]
     # The prompt's KV but its last token's (decode computes that one), in whole blocks at most.
@@ -97,3 +100,7 @@ def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str, ra
     print(f"\n{prompt_tokens} prompt tokens, {kv} bytes of KV; out of the prefill node {out_of_prefill} bytes, "
           f"into the decode node {into_decode} bytes")
     assert into_decode >= kv and out_of_prefill >= kv, "the KV did not cross the nodes' interfaces"
+    if plan.link is not None:  # app.tools.cluster --link-mbit: it crossed the shaped link, and the rate held it back
+        print(f"shaped to {link_mbit(plan):g} Mbit/s: {shaped_bytes} bytes through the prefill node's token bucket, "
+              f"{held_back} times held back")
+        assert link_mbit(plan) == plan.link.mbit and shaped_bytes >= kv and held_back > 0, (shaped_bytes, held_back)

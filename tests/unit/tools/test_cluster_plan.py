@@ -4,8 +4,11 @@ flags (pure: nothing is started), and what app.tools.cluster and configs/local-c
 from __future__ import annotations
 
 import ipaddress
-import re
 import json
+import os
+import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import yaml
 from app.config.args import AppArgs
 from app.tools.cluster_plan import (
     NS_DEVICE,
+    LinkShape,
     NodeKind,
     auth_env,
     host_conflict,
@@ -103,6 +107,48 @@ def test_network_commands_build_a_bridge_and_one_veth_per_namespace():
     assert len(commands) == 3 + 7 * 3
     # No route anywhere but the bridge's own subnet: nothing can leave this machine.
     assert not [c for c in commands if " route " in c]
+
+
+def test_a_link_rate_shapes_both_ends_of_each_worker_nodes_veth_after_the_network_is_built():
+    unshaped, shaped = plan().network_commands(), plan(link_mbit=300).network_commands()
+    assert shaped[:len(unshaped)] == unshaped  # the same network first: tc needs the links
+    tbf = "tbf rate 300mbit burst 262144 latency 50ms"
+    assert [" ".join(c) for c in shaped[len(unshaped):]] == [
+        f"tc -n rdv-prefill qdisc add dev {NS_DEVICE} root {tbf}", f"tc qdisc add dev rdv-prefill root {tbf}",
+        f"tc -n rdv-decode qdisc add dev {NS_DEVICE} root {tbf}", f"tc qdisc add dev rdv-decode root {tbf}",
+    ]
+    assert plan().shaping_commands() == [] and plan().link is None
+
+
+@pytest.mark.parametrize("mbit, burst", [(1, 256 << 10), (300, 256 << 10), (10_000, 6_250_000)])
+def test_the_burst_is_5_ms_of_the_rate_and_never_less_than_a_few_gso_segments(mbit, burst):
+    assert LinkShape(mbit).burst_bytes == burst
+
+
+@pytest.mark.parametrize("mbit", [0, 0.5, -3, 200_000])
+def test_a_link_rate_out_of_range_is_refused(mbit):
+    with pytest.raises(ValueError, match="link rate"):
+        plan(link_mbit=mbit)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc"), reason="needs root and iproute2's tc")
+def test_this_kernel_takes_the_shape_and_the_cluster_reads_its_rate_back(tmp_path):
+    """The plan's tc commands on a real namespace and veth pair (a throwaway prefix), and app.tools.cluster's
+    reading of the live qdisc: the rate a bench records and the bytes that went through it."""
+    from app.tools.cluster import link_mbit, shaped_out
+
+    p = plan(prefix="rdvtbf", subnet="10.214.0.0/24", link_mbit=300)
+    node = p.node(NodeKind.PREFILL)
+    setup = [["ip", "netns", "add", node.namespace],
+             ["ip", "link", "add", node.host_link, "type", "veth", "peer", "name", NS_DEVICE, "netns", node.namespace],
+             ["ip", "-n", node.namespace, "link", "set", NS_DEVICE, "up"]]
+    try:
+        for argv in setup + [c for c in p.shaping_commands() if node.namespace in c or node.host_link in c]:
+            subprocess.run(argv, check=True, capture_output=True)
+        assert link_mbit(p) == 300.0 and shaped_out(p, NodeKind.PREFILL) == (0, 0)
+    finally:
+        subprocess.run(["ip", "netns", "del", node.namespace], capture_output=True)
+    assert link_mbit(p) is None  # gone with its namespace
 
 
 @pytest.mark.parametrize("namespaces, links, expected", [
