@@ -64,7 +64,7 @@ unit: $(STAMP) $(PROMTOOL) $(PROM_CRDS)
 
 # The inner loop (a few minutes): every unit test, and one integration smoke: the push app started as
 # `make serve` starts it, its greedy answers token-identical to one engine's. `make test` before a push.
-SMOKE := tests/integration/test_push.py::test_greedy_output_is_token_identical_to_a_single_engine
+SMOKE := tests/integration/push/test_answers.py::test_greedy_output_is_token_identical_to_a_single_engine
 test-fast: model $(PROMTOOL) $(PROM_CRDS)
 	$(BIN)/python -m pytest tests/unit $(SMOKE)
 

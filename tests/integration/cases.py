@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -205,6 +206,12 @@ def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str, 
     assert math.isfinite(expected)
 
 
+def requests_by_prefill_path(client) -> Counter:
+    """The app's requests by how they were prefilled (``rendezvous_requests_total``'s ``prefill`` label: remote,
+    local, fallback, kv_deadline, kv_mismatch, ...), summed over decode replicas."""
+    return counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")
+
+
 def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceEngine) -> None:
     """The prefill leg computes the prompt and one token. ``min_tokens`` beyond 1 is the
     client's wish for decode's output: such a request is disaggregated like any other, and so
@@ -214,7 +221,7 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceE
     leg for the refused one, shaped to one token, would compute the prompt and hold its KV
     for nobody)."""
     long_chat, short_chat = CASE_BY_NAME["chat-long"], CASE_BY_NAME["chat-short"]
-    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    paths = lambda: requests_by_prefill_path(client)  # noqa: E731
     engines_before, paths_before = client.metrics.settled_snapshot(), paths()
 
     r = client.post(long_chat.endpoint, json={**long_chat.body(), "min_tokens": 8})
@@ -250,7 +257,7 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
     recomputes the prompt, so the answer is still token-identical to one engine, the request is
     counted as prefill="kv_mismatch" and the app log names the mismatch."""
     case = Case(f"kv-fault-{fault}", prompt=f"Checksum drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
-    counted = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill").get("kv_mismatch", 0)  # noqa: E731
+    counted = lambda: requests_by_prefill_path(client).get("kv_mismatch", 0)  # noqa: E731
     before = counted()
     client.kv_fault.write_text(fault)
     try:
@@ -276,7 +283,7 @@ def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, dead
     the answer took (each caller knows from when its deadline counts)."""
     case = Case(f"kv-deadline-{fault}", prompt=f"Deadline drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
     case.reference(ref)  # before timing: the reference engine shares the box
-    paths = lambda: counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")  # noqa: E731
+    paths = lambda: requests_by_prefill_path(client)  # noqa: E731
     # Settled: the app's earlier requests may not be exported yet (seen when this ran first on a TP app).
     before = settle(paths, timeout_s=90.0, on_timeout="return")
     client.kv_fault.write_text(fault)

@@ -1,6 +1,6 @@
 """observability/grafana-dashboard.json: importable by Grafana (schema, datasource variable, unique ids,
 grid), every query valid PromQL (promtool) and every legend label one its query keeps. What the queries return
-on a live app is checked against a real Prometheus by tests/integration/test_push.py."""
+on a live app is checked against a real Prometheus by tests/integration/push/test_observability.py."""
 
 from __future__ import annotations
 
