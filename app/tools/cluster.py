@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -136,6 +137,8 @@ def build(plan: ClusterPlan, env: dict[str, str]) -> None:
 def start_node(plan: ClusterPlan, node: Node, env: dict[str, str]) -> None:
     ray = str(Path(sys.executable).with_name("ray"))
     node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    Path(node.rpc_dir).mkdir(parents=True, exist_ok=True)
+    node_env["VLLM_RPC_BASE_PATH"] = node.rpc_dir  # the raylet's workers, and so the node's engines, inherit it
     # `ray start` returns once its node has registered with the GCS.
     _check(in_namespace(node.namespace, plan.ray_start_command(node, ray)), env=node_env,
            start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
@@ -201,6 +204,8 @@ def teardown(plan: ClusterPlan, run_id: str | None = None) -> list[str]:
     namespaces, links = present(plan)
     for argv in plan.teardown_commands(namespaces, links):
         _run(argv)
+    for node in plan.nodes:  # its processes are gone: nothing listens on these sockets any more
+        shutil.rmtree(node.rpc_dir, ignore_errors=True)
     deadline = time.monotonic() + 20  # the kernel removes a deleted namespace's veths a moment later
     while (found := present(plan)) != ([], []) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -65,6 +65,12 @@ class Node:
     def ip(self) -> str:
         return str(self.interface.ip)
 
+    @property
+    def rpc_dir(self) -> str:
+        """Where the node's vLLM processes make their ZeroMQ IPC sockets (``VLLM_RPC_BASE_PATH``; vLLM's default,
+        /tmp, keeps the sockets of every engine that was killed): the cluster removes it with its nodes."""
+        return f"{self.temp_dir}/vllm-rpc"
+
 
 @dataclass(frozen=True)
 class LinkShape:

@@ -38,6 +38,8 @@ def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None):
     app.start()
     try:
         app.wait_ready(timeout_s=900)
+        for kind in (NodeKind.PREFILL, NodeKind.DECODE):  # not in /tmp, where a killed engine leaves them
+            assert any(Path(plan.node(kind).rpc_dir).iterdir()), f"no vLLM IPC socket in {plan.node(kind).rpc_dir}"
         http = httpx.Client(base_url=app.base_url, timeout=300)
         yield SimpleNamespace(
             plan=plan, app=app, http=http, post=http.post,
@@ -51,6 +53,7 @@ def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None):
             if left != ([], []):
                 teardown(plan, app.run_id)  # leave the machine clean, then fail below
         assert left == ([], []), f"left behind: {left}\n{app.log_tail()}"
+        assert not [n.rpc_dir for n in plan.nodes if Path(n.rpc_dir).exists()], "the nodes' IPC socket directories outlived them"
         false_alarms = [line[-200:] for line in app.log_path.open(errors="replace") if "landed wrong" in line]
         assert not false_alarms, f"KV checksums failed on clean traffic: {false_alarms}"
         assert not app.leftovers(), f"processes survived Ctrl-C: {app.leftovers()}\n{app.log_tail()}"

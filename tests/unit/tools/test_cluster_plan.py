@@ -39,6 +39,7 @@ def plan(**kwargs):
 
 def test_the_default_plan():
     p = plan()
+    assert [n.rpc_dir for n in p.nodes] == [f"/tmp/rdv-{kind}/vllm-rpc" for kind in ("head", "prefill", "decode")]
     assert p.bridge == "rdv-br" and str(p.gateway) == "10.213.0.1/24"
     assert [(n.kind, n.namespace, n.host_link, str(n.interface), n.temp_dir) for n in p.nodes] == [
         (NodeKind.HEAD, "rdv-head", "rdv-head", "10.213.0.2/24", "/tmp/rdv-head"),
