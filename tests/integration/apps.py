@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -28,6 +29,10 @@ def running_app(config: str, log_dir: Path, how: str = "app.tools.run", env: dic
     module's start is the immediate restart a user would try."""
     busy = busy_ports()
     assert not busy, f"ports {busy} are taken before starting {config}: a previous run left processes (make clean-procs)"
+    serve_rpc = None
+    if how == "serve":  # plain `serve run` leaves vLLM's IPC sockets in /tmp; the tests' go where they are removed
+        serve_rpc = Path(tempfile.mkdtemp(prefix="vllm-rpc-", dir=log_dir))
+        env = {**(env or {}), "VLLM_RPC_BASE_PATH": str(serve_rpc)}
     app = AppProcess(config, log_dir, how=how, env=env).start()
     # app.tools.run gives vLLM's IPC sockets a directory of the run's own (plain `serve run` leaves them in /tmp).
     rpc_dirs = lambda: list(Path(tempfile.gettempdir()).glob(rpc_dir_prefix(app.run_id) + "*"))  # noqa: E731
@@ -48,6 +53,7 @@ def running_app(config: str, log_dir: Path, how: str = "app.tools.run", env: dic
                 time.sleep(2)
             assert not engines, f"{config}: engines outlived `serve run`: {engines}\n{app.log_tail()}"
             kill_run(app.run_id)
+            shutil.rmtree(serve_rpc, ignore_errors=True)
         left = app.leftovers()
         assert not left, f"{config}: processes survived Ctrl-C of {how}: {left}\n{app.log_tail()}"
         if FAULT_FILE_ENV not in (env or {}):  # no KV corrupted on purpose: no checksum may have failed
