@@ -14,6 +14,7 @@ actor resources that ``app.config.llm_configs`` builds, and checks:
   ``FI_PROVIDER=efa``; /dev/shm is memory-backed; FI_* settings agree between pod and config;
 * ports: the NIXL side-channel ports of every replica that may land on one pod (connector.ports)
   are distinct and clear of Ray's own ports;
+* head restarts and upgrades: ``deploy.resilience`` (GCS fault tolerance, the upgrade strategy);
 * the Service reaches Serve's HTTP port, and serveConfigV2 holds exactly this config.
 """
 
@@ -31,6 +32,7 @@ import yaml
 from app.config.args import Accelerator, AppArgs
 from app.config.llm_configs import placement_group_config, replica_actor_resources
 from connector.ports import Role
+from deploy.resilience import resilience_errors
 
 GPU_DEVICE = "nvidia.com/gpu"
 NEURON_DEVICES = ("aws.amazon.com/neuron", "aws.amazon.com/neuroncore", "aws.amazon.com/neurondevice")
@@ -82,12 +84,13 @@ class Group:
     offers: dict[str, float]  # Ray resources of one pod
     limits: dict[str, float]  # the Ray container's limits
     requests: dict[str, float]  # ... and requests
-    env: dict[str, str]
+    env: dict[str, str]  # literal values only
     labels: dict[str, str]
     shm_in_memory: bool
     reserved_ports: dict[int, str] = field(default_factory=dict)  # port -> what uses it
     worker_ports: tuple[int, int] = RAY_WORKER_PORTS
     start_params: dict[str, str] = field(default_factory=dict)
+    env_names: frozenset[str] = frozenset()  # every variable, literal or valueFrom
 
     @classmethod
     def from_spec(cls, name: str, spec: dict[str, Any], *, head: bool) -> "Group":
@@ -126,6 +129,7 @@ class Group:
             reserved_ports=reserved,
             worker_ports=worker_ports,
             start_params=params,
+            env_names=frozenset(e["name"] for e in container.get("env") or []),
         )
 
 
@@ -179,6 +183,7 @@ def fit_errors(manifests: list[dict[str, Any]], serve_config: dict[str, Any]) ->
     for group in {g.name: g for g in placed.values()}.values():
         errors += _port_errors(args, [r for r, g in placed.items() if g.name == group.name], group)
     errors += _service_errors(manifests, serve_config, head)
+    errors += resilience_errors(services[0], serve_config, args, head)
     return errors
 
 

@@ -8,6 +8,8 @@ result with ``kubectl kustomize``:
 
 * ``resources``: YAML files (any number of documents) or directories with a kustomization.yaml,
   built first, in order.
+* ``components``: directories whose kustomization.yaml is ``kind: Component``, applied next, in
+  order: each adds its own resources, then runs its patches and images over everything so far.
 * ``patches``: each a ``path`` and an optional ``target`` (group, version, kind, name). A file
   holding a mapping is a merge patch on the resource named by its own apiVersion, kind and
   metadata.name: mappings merge key by key, null deletes a key, anything else (lists included)
@@ -16,6 +18,9 @@ result with ``kubectl kustomize``:
   ``target``.
 * ``images``: ``name`` to ``newName`` / ``newTag`` / ``digest`` on every container image, after the
   patches.
+
+A Component cannot be built on its own or listed as a resource, nor a Kustomization as a component
+(kustomize refuses both).
 
 Any other kustomization key is refused by name. The serve config goes into the one RayService as
 a YAML string, then ``deploy.checks`` compares config and manifests; the command refuses to print
@@ -35,7 +40,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 K8S_DIR = REPO / "k8s"
 KUSTOMIZATION = "kustomization.yaml"
-SUPPORTED_KEYS = ("apiVersion", "kind", "resources", "patches", "images")
+SUPPORTED_KEYS = ("apiVersion", "kind", "resources", "components", "patches", "images")
+COMPONENT = "Component"
 SERVE_CONFIG_PLACEHOLDER = "__RENDERED_BY_deploy/render.py__"
 
 Manifest = dict[str, Any]
@@ -50,6 +56,10 @@ class RenderError(ValueError):
 
 def build(directory: Path) -> list[Manifest]:
     """The manifests of the kustomization in ``directory`` (no serve config yet)."""
+    return _accumulate([], directory, component=False)
+
+
+def _kustomization(directory: Path, component: bool) -> dict[str, Any]:
     kustomization_file = directory / KUSTOMIZATION
     if not kustomization_file.is_file():
         raise RenderError(f"{directory}: no {KUSTOMIZATION}")
@@ -60,10 +70,21 @@ def build(directory: Path) -> list[Manifest]:
             f"{kustomization_file}: unsupported key(s) {', '.join(unknown)}; deploy.render handles "
             f"{', '.join(SUPPORTED_KEYS)}"
         )
-    manifests: list[Manifest] = []
+    if (kustomization.get("kind") == COMPONENT) != component:
+        wanted = "a Component (components:)" if component else "a Kustomization (resources:, or built directly)"
+        raise RenderError(f"{kustomization_file}: kind {kustomization.get('kind', 'Kustomization')!r}, but used as {wanted}")
+    return kustomization
+
+
+def _accumulate(manifests: list[Manifest], directory: Path, component: bool) -> list[Manifest]:
+    """kustomize's order: resources, then components (each over all so far), then patches and images."""
+    kustomization = _kustomization(directory, component)
+    manifests = list(manifests)
     for entry in kustomization.get("resources", []):
         path = directory / entry
         manifests += build(path) if path.is_dir() else _load_documents(path)
+    for entry in kustomization.get("components", []):
+        manifests = _accumulate(manifests, directory / entry, component=True)
     for patch in kustomization.get("patches", []):
         manifests = _apply_patch(manifests, directory, patch)
     for image in kustomization.get("images", []):

@@ -7,15 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import pytest
 import yaml
 
@@ -39,22 +36,18 @@ from deploy.checks import (
 from deploy.render import build, render
 from tests.support.deploy import DEPLOY_CONFIGS, OVERLAYS, REPO, check_serve_config, rendered
 from tests.support.images import GPU_DOCKERFILE, NEURON_DOCKERFILE, base_image, build_args, exact_pins, extra
+from tests.support.k8s import (
+    OVERLAY_ACCELERATOR,
+    PAIRS,
+    by_kind,
+    config_accelerator,
+    rayservice,
+    schema_errors,
+    worker_groups,
+)
 
-OVERLAY_ACCELERATOR = {"gpu-efa": Accelerator.GPU, "trainium": Accelerator.NEURON}
 ROLE_GROUP = {Role.PREFILL: "prefill", Role.DECODE: "decode"}
 
-
-def config_accelerator(path: Path) -> Accelerator:
-    (application,) = yaml.safe_load(path.read_text())["applications"]
-    return AppArgs.parse(application.get("args")).accelerator
-
-
-PAIRS = [
-    pytest.param(overlay, path, id=f"{overlay}+{path.stem}")
-    for overlay in OVERLAYS
-    for path in DEPLOY_CONFIGS
-    if config_accelerator(path) is OVERLAY_ACCELERATOR[overlay]
-]
 MISMATCHED = [
     pytest.param(overlay, path, id=f"{overlay}+{path.stem}")
     for overlay in OVERLAYS
@@ -68,61 +61,7 @@ def test_every_overlay_is_known_and_every_deploy_config_has_one():
     assert {p.values[1] for p in PAIRS} == set(DEPLOY_CONFIGS)
 
 
-def by_kind(manifests, kind: str) -> list[dict[str, Any]]:
-    return [m for m in manifests if m["kind"] == kind]
-
-
-def rayservice(manifests) -> dict[str, Any]:
-    (service,) = by_kind(manifests, "RayService")
-    return service
-
-
-def worker_groups(manifests) -> dict[str, dict[str, Any]]:
-    return {g["groupName"]: g for g in rayservice(manifests)["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-
-
 # --------------------------------------------------------------------------- KubeRay CRD schemas
-
-
-def _schema_dir() -> Path:
-    candidates = [Path(os.environ["RENDEZVOUS_CRD_DIR"])] if "RENDEZVOUS_CRD_DIR" in os.environ else []
-    candidates += [REPO / "shared" / "schemas", REPO.parent / "shared" / "schemas"]
-    for candidate in candidates:
-        if (candidate / "ray.io_rayservices.yaml").is_file():
-            return candidate
-    pytest.fail(f"KubeRay CRDs (ray.io_rayservices.yaml) not found in {[str(c) for c in candidates]}; "
-                "set RENDEZVOUS_CRD_DIR")
-
-
-def strict(schema: Any) -> Any:
-    """The API server drops (or, with kubectl's default strict field validation, refuses) fields a
-    structural schema does not name; jsonschema would accept them. Refuse them here too."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    return out
-
-
-@cache
-def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
-    validators = {}
-    for path in sorted(_schema_dir().glob("ray.io_*.yaml")):
-        for crd in yaml.safe_load_all(path.read_text()):
-            group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
-            for version in crd["spec"]["versions"]:
-                schema = strict(version["schema"]["openAPIV3Schema"])
-                # OpenAPI v3.0 schemas are closest to draft 4 (boolean exclusiveMinimum).
-                validators[(f"{group}/{version['name']}", kind)] = jsonschema.Draft4Validator(schema)
-    return validators
-
-
-def schema_errors(manifest: dict[str, Any]) -> list[str]:
-    validator = crd_validators()[(manifest["apiVersion"], manifest["kind"])]
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(manifest)]
 
 
 DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -432,8 +371,7 @@ def _args(config):
         (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update(
             resources='"{\\"decode_group\\": 1}"'), "offered by head, decode"),
         (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].pop("num-gpus"), "num-gpus must be \"0\""),
-        (lambda m, c: rayservice(m)["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"].update({"num-cpus": "0"}),
-         "the ingress (on_head) needs 2 x 1 there"),
+        (lambda m, c: _args(c)["ingress"].update(on_head=True), "the ingress (on_head) needs 2 x 1 there"),  # the head offers 0 CPUs
         (lambda m, c: _groups(m)[0]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(EFA_DEVICE), "requests no vpc.amazonaws.com/efa"),
         (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].pop(HUGEPAGES), "requests no hugepages-2Mi"),
         (lambda m, c: _groups(m)[1]["template"]["spec"]["containers"][0]["resources"]["limits"].update({EFA_DEVICE: 8}),

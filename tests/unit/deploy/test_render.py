@@ -134,3 +134,50 @@ def test_images_transformer(tmp_path):
 def test_dump_round_trips():
     manifests = list(rendered("trainium", REPO / "configs" / "trn2-qwen3-32b-push.yaml"))
     assert list(yaml.safe_load_all(dump(manifests))) == manifests
+
+
+def _write_tree(root: Path, files: dict[str, dict]) -> None:
+    for name, body in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(yaml.safe_dump(body))
+
+
+def _config_map(name: str, **data: str) -> dict:
+    return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": data}
+
+
+COMPONENT = {"apiVersion": "kustomize.config.k8s.io/v1alpha1", "kind": "Component"}
+TREE = {
+    "base/kustomization.yaml": {"resources": ["a.yaml"]},
+    "base/a.yaml": _config_map("a", x="1"),
+    "comp/kustomization.yaml": {**COMPONENT, "resources": ["b.yaml"], "patches": [{"path": "p.yaml"}]},
+    "comp/b.yaml": _config_map("b", z="1"),
+    "comp/p.yaml": _config_map("a", y="2", z="2"),
+    "overlay/kustomization.yaml": {"resources": ["../base"], "components": ["../comp"], "patches": [{"path": "q.yaml"}]},
+    "overlay/q.yaml": _config_map("a", y="3"),
+}
+
+
+def test_components_apply_between_resources_and_own_patches_as_kustomize_does(tmp_path):
+    _write_tree(tmp_path, TREE)
+    ours = build(tmp_path / "overlay")
+    assert {m["metadata"]["name"]: m["data"] for m in ours} == {"a": {"x": "1", "y": "3", "z": "2"}, "b": {"z": "1"}}
+    result = subprocess.run([*kustomize_command(), str(tmp_path / "overlay")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert sorted(ours, key=_key) == sorted(yaml.safe_load_all(result.stdout), key=_key)
+
+
+@pytest.mark.parametrize(
+    "change, built, fragment",
+    [
+        ({}, "comp", "kind 'Component', but used as a Kustomization"),  # a Component is never built on its own
+        ({"overlay/kustomization.yaml": {"resources": ["../comp"]}}, "overlay", "kind 'Component', but used as a Kustomization"),
+        ({"overlay/kustomization.yaml": {"resources": ["../base"], "components": ["../base"]}}, "overlay",
+         "kind 'Kustomization', but used as a Component"),
+    ],
+)
+def test_components_and_kustomizations_are_not_interchangeable(tmp_path, change, built, fragment):
+    """kustomize refuses each of these too (checked by hand with kubectl kustomize v5.8)."""
+    _write_tree(tmp_path, {**TREE, **change})
+    with pytest.raises(RenderError, match=re.escape(fragment)):
+        build(tmp_path / built)
