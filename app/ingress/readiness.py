@@ -39,6 +39,10 @@ _RETRYING = "A replica failed to start"
 # How long a read of Serve's state is reused; generation requests never wait for a read
 # once there is one (they get the last answer while the next is read).
 REFRESH_S = 1.0
+# How long /ready waits for Serve's controller to answer. serve.status() retries until the controller is back, and
+# with GCS fault tolerance the head (and the controller on it) restarts while every replica keeps serving: a probe
+# that waited with it would fail the pods' readiness checks and empty the Service. Past this, the last answer stands.
+READ_WAIT_S = 2.0
 RETRY_AFTER_S = 5  # a starting engine takes minutes; a replaced one tens of seconds
 
 
@@ -163,19 +167,29 @@ def _serve_deployments() -> dict[str, Deployment]:
 class ReadinessProbe:
     """One per ingress replica: Serve's deployments, read at most every :data:`REFRESH_S`."""
 
-    def __init__(self, mode: str, read_deployments=_serve_deployments, clock=time.monotonic):
+    def __init__(self, mode: str, read_deployments=_serve_deployments, clock=time.monotonic, read_wait_s: float = READ_WAIT_S):
         self._mode = mode
         self._read_deployments = read_deployments
         self._clock = clock
+        self._read_wait_s = read_wait_s
         self._prefill_was_up = False
         self._last: Readiness | None = None
         self._read_at = float("-inf")
         self._reading: asyncio.Task | None = None
 
     async def fresh(self) -> Readiness:
-        """The state now (reads Serve unless the last read is recent): for ``/ready``."""
+        """The state now (reads Serve unless the last read is recent): for ``/ready``. A read the controller does
+        not answer within ``READ_WAIT_S`` goes on behind the last answer (one read at a time)."""
         if self._clock() - self._read_at > REFRESH_S or self._last is None:
-            await self._read()
+            if self._reading is None or self._reading.done():
+                self._reading = asyncio.ensure_future(self._read())
+            try:
+                await asyncio.wait_for(asyncio.shield(self._reading), self._read_wait_s)
+            except asyncio.TimeoutError:
+                logger.warning("Serve's controller did not answer within %.0f s (restarting?); readiness unchanged",
+                               self._read_wait_s)
+                if self._last is None:
+                    self._last = Readiness(False, self._mode, "unknown", "unknown")
         return self._last
 
     async def current(self) -> Readiness:

@@ -4,6 +4,7 @@ and what /ready and generation requests get on the real ingress app (app.ingress
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -135,6 +136,35 @@ def _ingress(serve: _Serve):
         return {"data": []}
 
     return app
+
+
+def test_a_controller_that_does_not_answer_leaves_the_last_answer_standing_and_ready_answers_quickly():
+    """Serve's controller restarting with the head (GCS fault tolerance): serve.status() waits for it. /ready
+    must not: the pods' readiness probes would fail and empty the Service while every replica serves."""
+    import threading
+
+    async def go():
+        now, answer = [0.0], threading.Event()
+        serve = _Serve()
+        serve.states = {"Decode:m": {"RUNNING": 1}, "Prefill:m": {"RUNNING": 1}}
+        probe = ReadinessProbe("push", read_deployments=serve, clock=lambda: now[0], read_wait_s=0.2)
+        ready = await probe.fresh()
+        assert ready.ready and serve.reads == 1
+
+        hung = lambda: answer.wait() and serve()  # noqa: E731  the controller is away until `answer` is set
+        probe._read_deployments = hung
+        now[0] += REFRESH_S + 0.1
+        started = time.monotonic()
+        assert await probe.fresh() == ready and await probe.fresh() == ready
+        assert time.monotonic() - started < 1.0, "/ready waited on the controller"
+        answer.set()  # back: the one read still out finishes, and the next answer is read as before
+        await asyncio.sleep(0.1)
+        assert serve.reads == 2
+
+        unanswered = ReadinessProbe("push", read_deployments=lambda: threading.Event().wait(1), read_wait_s=0.2)
+        assert (await unanswered.fresh()).ready is False  # never read yet: not ready, and said quickly
+
+    asyncio.run(go())
 
 
 def test_not_ready_is_a_503_on_ready_and_a_quick_503_for_generation_and_models_still_answer():
