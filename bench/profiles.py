@@ -9,6 +9,7 @@ before anyone waits an hour to find out.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -226,6 +227,21 @@ def load_config(path: str | Path) -> dict[str, Any]:
 
 def app_args_of(config: dict[str, Any]) -> AppArgs:
     return AppArgs.parse(config["applications"][0].get("args"))
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "auto": 2}
+
+
+def kv_bytes_per_token(config: str | Path) -> int:
+    """Bytes of KV a prompt token holds with ``config``'s model and dtype (K and V of every layer and KV head),
+    from the model's own config.json: what a transfer of the prompt's KV moves."""
+    from app.model_source import resolve_model_source
+
+    args = app_args_of(load_config(config))
+    cfg = json.loads((Path(resolve_model_source(args.model.source)) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype = _DTYPE_BYTES[str(args.engine_kwargs.get("dtype", "auto"))]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype
 
 
 def check_profile(profile: Profile, modes: list[Mode], output_len: int | None = None) -> dict[Mode, dict[str, Any]]:

@@ -23,8 +23,8 @@ import httpx
 
 from app.tools.cluster import link_mbit, load_plan
 from app.tools.procs import AppProcess
+from bench.profiles import kv_bytes_per_token
 from bench.timeline import read_timelines
-from tests.integration.cases import kv_bytes_per_token
 
 CONFIG = "configs/local-cpu-2node.yaml"
 HTTP_PORT = 8000

@@ -7,11 +7,10 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from app.model_source import resolve_model_source
 from bench.engine_metrics import counted_by, delta, settle
-from tests.integration.reference import Generation, ReferenceEngine, app_args
+from bench.profiles import kv_bytes_per_token
+from tests.integration.reference import Generation, ReferenceEngine
 
 MAX_TOKENS = 32
 _COLORS = ["red", "green", "blue", "amber", "violet", "white", "black"]
@@ -140,18 +139,6 @@ def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
         assert r.headers["content-type"].startswith("text/event-stream")
         text = read_stream(r)
     assert text == expected.text, f"{case.name} (streamed): {text!r} != {expected.text!r}"
-
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "auto": 2}
-
-
-def kv_bytes_per_token(config: str) -> int:
-    args = app_args(config)
-    model_dir = Path(resolve_model_source(args.model.source))
-    cfg = json.loads((model_dir / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype = _DTYPE_BYTES[str(args.engine_kwargs.get("dtype", "auto"))]
-    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * dtype  # K+V
 
 
 def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str, ranks: int = 1) -> None:

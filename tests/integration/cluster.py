@@ -17,7 +17,8 @@ from app.tools.cluster import link_mbit, load_plan, present, shaped_out, teardow
 from app.tools.cluster_plan import NodeKind
 from app.tools.procs import AppProcess, busy_ports
 from bench.engine_metrics import RoleMetrics
-from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical, kv_bytes_per_token
+from bench.profiles import kv_bytes_per_token
+from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical
 
 CONFIG = "configs/local-cpu-2node.yaml"
 HTTP_PORT = 8000  # the config's http_options.port

@@ -17,7 +17,8 @@ import pytest
 from app.tools.cluster import kill_node, rejoin
 from app.tools.cluster_plan import NodeKind
 from bench.engine_metrics import counted_by, delta, scrape, settle_quiet_s
-from tests.integration.cases import CASE_BY_NAME, assert_token_identical, kv_bytes_per_token, parse_generation
+from bench.profiles import kv_bytes_per_token
+from tests.integration.cases import CASE_BY_NAME, assert_token_identical, parse_generation
 from tests.integration.cluster import (
     CONFIG,
     advertised,

@@ -26,11 +26,11 @@ from tests.integration.cases import (
     assert_stream_identical,
     assert_token_identical,
     assert_wrong_kv_is_caught,
-    kv_bytes_per_token,
     long_text,
     parse_generation,
 )
 from bench.engine_metrics import delta, scrape
+from bench.profiles import kv_bytes_per_token
 from tests.integration.apps import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import (
     Conversation,

@@ -104,3 +104,11 @@ def test_config_mode_must_match(tmp_path):
     profile = dataclasses.replace(PROFILES["cpu-quick"], configs={Mode.PUSH: path})
     with pytest.raises(ProfileError, match="mode is 'pull'"):
         check_profile(profile, [Mode.PUSH])
+
+
+@pytest.mark.parametrize("config, dtype_bytes", [("configs/local-cpu.yaml", 4), ("configs/local-cpu-2node.yaml", 4)])
+def test_a_prompt_tokens_kv_is_k_and_v_of_every_layer_and_kv_head_of_the_configs_model(config, dtype_bytes):
+    """SmolLM2-135M (the embedded model's config.json): 30 layers, 3 KV heads of 64; the local configs run float32."""
+    from bench.profiles import kv_bytes_per_token
+
+    assert kv_bytes_per_token(config) == 30 * 2 * 3 * 64 * dtype_bytes
