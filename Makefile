@@ -50,7 +50,7 @@ serve: model
 
 # The same app on a head, a prefill and a decode Ray node, each in its own network namespace on this
 # machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.tools.cluster down`
-# removes one left behind. LINK_MBIT=300 shapes the prefill and decode nodes' links to 300 Mbit/s each way.
+# removes one left behind. LINK_MBIT=800 shapes the prefill and decode nodes' links to 800 Mbit/s each way (docs/cluster.md).
 CLUSTER_CONFIG ?= configs/local-cpu-2node.yaml
 LINK_MBIT ?=
 serve-cluster: model
