@@ -278,8 +278,6 @@ def test_pushed_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(c
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.
-
-
 BAD = [
     ("malformed-json", CHAT, {"content": b'{"model": "SmolLM2', "headers": {"content-type": "application/json"}}),
     ("unknown-model", CHAT, {"json": {"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}}),
