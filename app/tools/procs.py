@@ -177,6 +177,7 @@ class AppProcess:
     def __init__(self, config: str, log_dir: Path, *, how: str = "app.tools.run", base_url: str = BASE_URL,
                  env: dict[str, str] | None = None, args: list[str] | None = None):
         self.config = config
+        self.how = how
         self.base_url = base_url
         self.command = {
             "app.tools.run": [sys.executable, "-m", "app.tools.run", config],
@@ -213,7 +214,8 @@ class AppProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"app exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
-            if (failed := read_deploy_failure()) is not None:  # serve run itself would wait on, serving nothing
+            # app.tools.run (and make serve) stop on a failed deploy themselves; plain serve run waits on, serving nothing.
+            if self.how == "serve" and (failed := read_deploy_failure()) is not None:
                 raise RuntimeError(f"{failed}\n{self.log_tail()}")
             try:
                 status = (read_readiness(f"{self.base_url}/ready") or (None,))[0]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from app.tools.cluster import link_mbit, load_plan, present, shaped_out, teardown
+from app.tools.cluster import link_mbit as shaped_rate, load_plan, present, shaped_out, teardown
 from app.tools.cluster_plan import NodeKind
 from app.tools.procs import AppProcess, busy_ports
 from bench.engine_metrics import RoleMetrics
@@ -105,6 +105,7 @@ def assert_kv_crosses_the_nodes(cluster, reference, config: str, writer: str, ra
           f"into the decode node {into_decode} bytes")
     assert into_decode >= kv and out_of_prefill >= kv, "the KV did not cross the nodes' interfaces"
     if plan.link is not None:  # app.tools.cluster --link-mbit: it crossed the shaped link, and the rate held it back
-        print(f"shaped to {link_mbit(plan):g} Mbit/s: {shaped_bytes} bytes through the prefill node's token bucket, "
+        rate = shaped_rate(plan)
+        print(f"shaped to {rate:g} Mbit/s: {shaped_bytes} bytes through the prefill node's token bucket, "
               f"{held_back} times held back")
-        assert link_mbit(plan) == plan.link.mbit and shaped_bytes >= kv and held_back > 0, (shaped_bytes, held_back)
+        assert rate == plan.link.mbit and shaped_bytes >= kv and held_back > 0, (rate, shaped_bytes, held_back)
