@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from bench.engine_metrics import scrape, settle
+from bench.engine_metrics import scrape, settle, settle_quiet_s
 from tests.integration.cases import Generation, long_text
 
 MAX_TOKENS = 24
@@ -79,13 +79,13 @@ def settled_ours(client, timeout_s: float = 90.0) -> Counter:
 
 
 def wait_ours(client, predicate, timeout_s: float = 60) -> Counter:
-    """Our counters once ``predicate`` holds (Ray exports metrics every few seconds)."""
+    """Our counters once ``predicate`` holds and then stopped changing: the counter a test waits
+    for can show before another one it reads, though the replica incremented both together
+    (seen once in CI: a turn's tokens counted, its bytes not yet)."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        current = ours(client)
-        if predicate(current) or time.monotonic() > deadline:
-            return current
+    while not predicate(ours(client)) and time.monotonic() < deadline:
         time.sleep(1)
+    return settled_ours(client, timeout_s=max(deadline - time.monotonic(), settle_quiet_s() * 2))
 
 
 def assert_corrupted_history_is_recomputed(client, reference, conversation: Conversation, text: str) -> None:
