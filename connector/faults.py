@@ -10,7 +10,10 @@ check (as a bad transport would), ``flip-history`` the same on prefill for a his
 of several prefill TP ranks skip its WRITE (decode must not start on the other ranks' shares: it
 waits for every producer rank's notification, then recomputes at the registration's deadline; pull:
 decode never READs that rank's share, ``connector.pull_deadline``), ``stall-read`` makes a pull
-worker post no READ (``connector.pull_deadline`` cancels it at its deadline).
+worker post no READ (``connector.pull_deadline`` cancels it at its deadline). Progressive push
+(``connector.progressive``): ``fail-chunk`` fails a leg's second chunk WRITE (decode recomputes,
+``kv_failed``), ``late-registration`` holds decode's registration on prefill until the leg has
+finished (its first WRITE then covers every chunk before the last).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import os
 
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read")
+FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read", "fail-chunk", "late-registration")
 
 
 def injected_fault() -> str | None:

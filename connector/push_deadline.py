@@ -99,8 +99,9 @@ class DeadlineWorker(Feature):
                           "consumer_notification_counts_by_req", "_failed_recv_reqs", "_pending_d_registrations",
                           "_remote_agents", "nixl_wrapper"})
 
-    def __init__(self, host) -> None:
+    def __init__(self, host, may_release=lambda base_id: True) -> None:
         super().__init__(host)
+        self._may_release = may_release  # False while a chunk WRITE of the leg may still land (connector.progressive)
         self._recv_expiry: dict[str, float] = {}
         self._aborted_legs: dict[str, float] = {}  # prefill side: base request id -> when its leg was aborted (monotonic)
 
@@ -122,7 +123,8 @@ class DeadlineWorker(Feature):
         for notif in take(self._pending_completion_notifs, WONT_WRITE_NOTIF):
             req_id = notif[len(WONT_WRITE_NOTIF):].decode(errors="replace")
             if req_id in self._recving_metadata and req_id not in self._recving_transfers:
-                logger.info("prefill aborted %s before its WRITE: its blocks go back now", req_id)
+                logger.info("prefill will not WRITE %s (its leg was aborted, or a chunk WRITE failed): decode's blocks "
+                            "go back now", req_id)
                 self._recv_expiry[req_id] = 0.0  # failed at the next step, as at its expiry
 
     def _release_aborted(self) -> None:
@@ -130,8 +132,8 @@ class DeadlineWorker(Feature):
         if not self._aborted_legs:
             return  # every step of every engine: nothing to look at
         for rid, registration in list(self._pending_d_registrations.items()):
-            if get_base_request_id(rid) not in self._aborted_legs:
-                continue
+            if get_base_request_id(rid) not in self._aborted_legs or not self._may_release(get_base_request_id(rid)):
+                continue  # not aborted; or asked again at the next step, once its chunk WRITEs are done
             if self._pending_d_registrations.pop(rid, None) is None:
                 continue  # the writer thread took it meanwhile
             agents = (self._remote_agents.get(registration.get("decode_engine_id")) or {}).values()
@@ -151,7 +153,10 @@ class DeadlineWorker(Feature):
             # that is being counted right now wins too.
             if req_id not in self._recving_metadata or req_id in self._recving_transfers:
                 continue
-            logger.warning("no KV pushed for %s before its deadline: reporting the load as failed", req_id)
+            if expires_at:
+                logger.warning("no KV pushed for %s before its deadline: reporting the load as failed", req_id)
+            else:
+                logger.warning("prefill will not WRITE %s: reporting the load as failed", req_id)
             self.consumer_notification_counts_by_req.pop(req_id, None)
             self._failed_recv_reqs.put(req_id)
 

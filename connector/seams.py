@@ -132,6 +132,7 @@ _CHECKSUM = ("connector/kv_checksum.py",)
 _PULL_SUMS = ("connector/pull_checksum.py",)
 _READ_DEADLINE = ("connector/pull_deadline.py",)
 _ORDER = ("connector/transfer_order.py",)
+_PROGRESSIVE = ("connector/progressive.py",)
 _ROUTERS = ("app/routing/decode_router.py", "app/routing/prefill_router.py")
 
 SEAMS: list[Seam] = [
@@ -176,8 +177,8 @@ SEAMS: list[Seam] = [
          "clip the blocks prefill reads history into"),
     Seam("vllm", _BASE_S, "kv_recompute_threshold", "instance", _REUSE,
          "recompute rather than READ a history shorter than vLLM's threshold", checked_by=T_PUSH),
-    *_per("vllm", _BASE_S, "instance", {"kv_cache_config": _REUSE, "block_size": _REUSE, "engine_id": _IDLE},
-          "size the KV per token, count blocks, name the engine's wake channel"),
+    *_per("vllm", _BASE_S, "instance", {"kv_cache_config": _REUSE, "block_size": _REUSE + _PROGRESSIVE, "engine_id": _IDLE},
+          "size the KV per token, count blocks (a prefill step's full ones too), name the engine's wake channel"),
     # ------------------------------------------------------------------ vLLM: push worker
     Seam("vllm", f"{_NIXL}.push_worker", "NixlPushConnectorWorker", "import", _PUSH_CONN,
          "subclass the push worker (PushWorker: our features composed in)"),
@@ -185,7 +186,7 @@ SEAMS: list[Seam] = [
                              "_get_new_notifs", "_xfer_blocks_for_req", "_pop_done_transfers", "_do_send_reg_notif"),
            "method", _PUSH_CONN, "override the worker's transfer steps (same signatures); "
            "tests/unit/connector/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
-    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM,
+    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM + _PROGRESSIVE,
            "send decode's agents the WRITE's start, the KV's sums and an aborted leg (nixl_wrapper.send_notif, as vLLM "
            "sends its PUSH_REG)",
            checked_by=T_PUSH),
@@ -214,26 +215,27 @@ SEAMS: list[Seam] = [
          _CHECKSUM + _PULL_SUMS, "each smaller remote block fills chunk `fa_slot` of a bigger local block, in order",
          snippet="handle.append((addr + fa_slot * chunk, chunk, dev))", checked_by=T_CHECKSUM),
     *_each("vllm", _PUSH_W, ("_as_grouped_block_ids", "_ensure_handshake"), "method",
-           _REUSE, "read a history back from decode with vLLM's own helpers"),
-    Seam("vllm", _PUSH_W, "_logical_to_kernel_block_ids", "method", _REUSE + _CHECKSUM,
+           _REUSE + _PROGRESSIVE, "read a history back from decode with vLLM's own helpers"),
+    Seam("vllm", _PUSH_W, "_logical_to_kernel_block_ids", "method", _REUSE + _CHECKSUM + _PROGRESSIVE,
          "read a history back from decode with vLLM's own helpers; sum the kernel blocks of an offer"),
     *_per("vllm", _PUSH_W, "instance", {
         "_recving_metadata": _DEADLINE + _REUSE + _IDLE + _CHECKSUM,
         "_recving_transfers": _DEADLINE + _CHECKSUM,
-        "_pending_d_registrations": _DEADLINE,
+        "_pending_d_registrations": _DEADLINE + _PROGRESSIVE,
         "consumer_notification_counts_by_req": _DEADLINE,
-        "_physical_blocks_per_logical_kv_block": _REUSE + _CHECKSUM,
+        "_physical_blocks_per_logical_kv_block": _REUSE + _CHECKSUM + _PROGRESSIVE,
     }, "fail expired receives, drop expired registrations, track history READs and what KV is due",
         checked_by=T_PUSH),
     Seam("vllm", _PUSH_W, "_failed_recv_reqs", "instance", _DEADLINE + _REUSE + _IDLE,
          "fail a receive as upstream's push worker does (get_transfer_results reports what is queued here); replace "
          "the queue with one that wakes the engine", checked_by=T_PUSH),
-    Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _DEADLINE + _IDLE + _REUSE + _CHECKSUM,
+    Seam("vllm", _PUSH_W, "_pending_completion_notifs", "instance", _DEADLINE + _IDLE + _REUSE + _CHECKSUM + _PROGRESSIVE,
          "replace the writer thread's notification queue with one that wakes the engine; filter our READ's notifs",
          checked_by=T_IDLE),
-    *_each("vllm", _PUSH_W, ("_push_writer_wake", "_push_writer_thread"), "instance", _IDLE,
-           "make the writer thread poll notifications while KV is due; tell its puts from the main thread's",
-           checked_by=T_IDLE),
+    Seam("vllm", _PUSH_W, "_push_writer_wake", "instance", _IDLE + _PROGRESSIVE,
+         "make the writer thread poll notifications while KV is due; wake it for a chunk WRITE", checked_by=T_IDLE),
+    Seam("vllm", _PUSH_W, "_push_writer_thread", "instance", _IDLE,
+         "tell the writer thread's puts from the main thread's", checked_by=T_IDLE),
     *_per("vllm", _PUSH_W, "instance", {"vllm_config": _IDLE, "engine_id": _IDLE},
           "name the engine's wake channel (engine id, data parallel rank)"),
     # The pull READ, borrowed as is by the push worker (class attributes of ReuseWorker).
@@ -251,9 +253,11 @@ SEAMS: list[Seam] = [
          "the pull checksums' test-only `shift` fault rotates the remote block ids of one checked READ; a READ's "
          "deadline starts when it is posted",
          checked_by=T_BORROWED),
-    *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE + _CHECKSUM,
+    *_each("vllm", f"{_NIXL}.metadata", ("ReqMeta", "RemoteMeta"), "import", _PROGRESSIVE,
+           "build a chunk WRITE as vLLM's push worker builds its own"),
+    *_each("vllm", f"{_NIXL}.metadata", ("PUSH_REG_NOTIF_PREFIX",), "import", _REUSE + _CHECKSUM + _PROGRESSIVE,
            "decode the push registration payload to find the reuse offer (and its sums)"),
-    Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _DEADLINE + _REUSE + _CHECKSUM,
+    Seam("vllm", f"{_NIXL}.utils", "get_base_request_id", "import", _DEADLINE + _REUSE + _CHECKSUM + _PROGRESSIVE,
          "match an offer or a registration (decode's id) with the prefill leg (same base id)"),
     *_per("vllm", f"{_META}:NixlConnectorMetadata", "instance", {
         "reqs_to_recv": _IDLE + _REUSE,
@@ -264,9 +268,20 @@ SEAMS: list[Seam] = [
         "heartbeat_by_engine": _IDLE,
     }, "tell whether a step ships work to the worker; take history READs out; read registrations' expiry"),
     *_each("vllm", f"{_META}:ReqMeta", ("local_block_ids", "local_physical_block_ids", "remote", "tp_size"),
-           "attribute", _REUSE, "set up a history READ as vLLM's pull READ expects it"),
-    *_each("vllm", f"{_META}:RemoteMeta", ("request_id", "engine_id", "host", "port"), "attribute", _REUSE,
+           "attribute", _REUSE + _PROGRESSIVE, "set up a history READ as vLLM's pull READ expects it"),
+    *_each("vllm", f"{_META}:RemoteMeta", ("request_id", "engine_id", "host", "port"), "attribute", _REUSE + _PROGRESSIVE,
            "recognise our history READ and handshake with the decode engine that offered it"),
+    # ------------------------------------------------------------------ vLLM: progressive push (connector/progressive.py)
+    Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1", "wait_for_save", "method",
+         _CONNECTORS, "the step's forward is done: hand the chunks it completed to the writer thread"),
+    Seam("vllm", "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1", "_get_connector_metadata",
+         "method", _CONNECTORS, "the step's metadata (its chunks) in wait_for_save"),
+    *_each("vllm", _PUSH_W, ("_sending_transfers", "_sending_transfers_lock", "_send_failures"), "instance",
+           _PROGRESSIVE, "post a chunk WRITE through vLLM's own _xfer_blocks_for_req, then take its handles out of "
+           "the leg's transfers (vLLM would report the leg sent when a chunk is done)", checked_by=T_PUSH),
+    *_each("vllm", _PUSH_W, ("_deferred_push_inbox", "_push_writer_stop"), "instance", _PROGRESSIVE,
+           "run a chunk WRITE on the writer thread (its inbox hands each entry to _do_start_push_kv); stop waiting "
+           "for chunks when the worker shuts down", checked_by=T_PUSH),
     # ------------------------------------------------------------------ vLLM: pull scheduler (history read-back)
     Seam("vllm", f"{_NIXL}.pull_scheduler", "NixlPullConnectorScheduler", "import", _PULL_CONN,
          "subclass the pull scheduler (PullScheduler: our features composed in)"),
@@ -291,12 +306,12 @@ SEAMS: list[Seam] = [
          "request_finished's params dict goes into the step's output, update_connector_output runs after it, the "
          "outputs leave after both: sums added to that dict reach prefill's response", checked_by=T_PULL_SUMS),
     *_each("vllm", "vllm.v1.core.sched.output:NewRequestData", ("req_id", "block_ids", "num_computed_tokens"),
-           "attribute", _PULL_SUMS, "a prefill leg's blocks, and whether this step completes its prompt"),
+           "attribute", _PULL_SUMS + _PROGRESSIVE, "a prefill leg's blocks, and whether this step completes its prompt"),
     *_each("vllm", "vllm.v1.core.sched.output:CachedRequestData",
-           ("req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"), "attribute", _PULL_SUMS,
+           ("req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens"), "attribute", _PULL_SUMS + _PROGRESSIVE,
            "a chunked or resumed prefill leg's blocks, and whether this step completes its prompt"),
     *_each("vllm", "vllm.v1.core.sched.output:SchedulerOutput",
-           ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens"), "attribute", _PULL_SUMS,
+           ("scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens"), "attribute", _PULL_SUMS + _PROGRESSIVE,
            "which prefill legs this step schedules, and how many tokens"),
     Seam("vllm", _PULL_W, "start_load_kv", "method", _PULL_CONN, "take the step's blocks to sum and sums to check"),
     *_each("vllm", _PULL_W, ("block_size", "_physical_blocks_per_logical_kv_block", "world_size", "tp_rank"),

@@ -30,6 +30,10 @@ class ConnectorSettings(BaseModel):
     kv_checksums: bool = Field(
         True, description="Digest the KV the sender moves and check it on landing (connector.kv_checksum, "
         "connector.pull_checksum). Both roles must agree.")
+    progressive: bool = Field(
+        False, description="Push, prefill: WRITE each chunk of a prompt's KV as soon as a step completes it, while "
+        "the next computes; the last WRITE, after the final chunk, carries the completion (connector.progressive). "
+        "Helps only with chunked prefill (max_num_batched_tokens below the prompt).")
     kv_peer_tp_size: int = Field(
         1, ge=1, description="Pull: the other role's tensor parallel size; a sender digests each block in as many "
         "chunks as the reader has ranks a block (connector.sum_ranks). Push learns it in the NIXL handshake.")

@@ -2,7 +2,7 @@
 
 The push worker's writer thread forwards every notification that is not a registration to a
 queue the engine's main thread reads, and vLLM parses each as ``"<request id>:<tp size>"``.
-Ours (the WRITE's start, the KV's sums, an aborted leg, the completion of a history READ) would crash that
+Ours (the WRITE's start, the KV's sums, an aborted leg, a chunk WRITE, the completion of a history READ) would crash that
 parser. Taking them out when the main thread reads the queue races the writer thread, which
 may forward one between our read and vLLM's (seen under load: a ``UnicodeDecodeError`` killed
 the decode engine). So the queue routes ours to side queues as they are put
@@ -17,7 +17,8 @@ HISTORY_READ_ID = "rdv-history-read"  # the remote request id of prefill's histo
 WRITE_STARTED_NOTIF = b"rdv-write-started:"  # connector.stages
 KV_SUMS_NOTIF = b"rdv-kv-sums:"  # connector.kv_checksum
 WONT_WRITE_NOTIF = b"rdv-wont-write:"  # connector.push_deadline
-PREFIXES = (WRITE_STARTED_NOTIF, KV_SUMS_NOTIF, WONT_WRITE_NOTIF, HISTORY_READ_ID.encode())
+CHUNK_NOTIF = b"rdv-chunk:"  # connector.progressive: a chunk WRITE landed (not the completion vLLM counts)
+PREFIXES = (WRITE_STARTED_NOTIF, KV_SUMS_NOTIF, WONT_WRITE_NOTIF, CHUNK_NOTIF, HISTORY_READ_ID.encode())
 
 
 class SideRoutingQueue(queue.Queue):

@@ -21,7 +21,7 @@ And they keep NIXL's UCX progress thread from busy-polling a core per engine
 (``connector.nixl_progress``; UCX-only agents).
 
 Our features (deadlines, history reuse, the idle wait, checksums, the stage clock, transfer
-order) are composed into vLLM's own connector scheduler and worker: ``connector.push_connector``
+order, progressive push) are composed into vLLM's own connector scheduler and worker: ``connector.push_connector``
 and ``connector.pull_connector`` override each vLLM hook once and call them in order.
 """
 
@@ -111,6 +111,11 @@ class RendezvousPushConnector(NixlPushConnector):
                 _extend(self.connector_worker, PushWorker, settings, vllm_config)
 
     build_connector_worker_meta = _worker_meta
+
+    def wait_for_save(self):
+        super().wait_for_save()
+        if isinstance(self.connector_worker, PushWorker):  # the step's forward is done: its finished chunks go out
+            self.connector_worker.saved(self._get_connector_metadata())
 
 
 class RendezvousPullConnector(NixlPullConnector):

@@ -283,6 +283,15 @@ class HandoffArgs(_Strict):
         "connector/kv_checksum.py, connector/pull_checksum.py; its cost is in docs/benchmarks.md."
     )
 
+    progressive: bool = Field(
+        CONNECTOR_DEFAULTS.progressive, description="Push only: the prefill replica WRITEs each chunk of a prompt's KV "
+        "to decode's registered blocks as soon as a prefill step completes it, while the next chunk computes; only "
+        "the last chunk's transfer stays between prefill and decode (connector/progressive.py). It needs chunked "
+        "prefill: engine_kwargs.max_num_batched_tokens below the prompt (e.g. 512); otherwise it changes nothing. A "
+        "failed chunk WRITE makes decode recompute the prompt (prefill path `kv_failed`). Off by default until "
+        "docs/benchmarks.md says otherwise."
+    )
+
     @model_validator(mode="after")
     def _kv_outlasts_prefill(self) -> "HandoffArgs":
         if self.kv_timeout_s <= self.prefill_timeout_s:
@@ -375,6 +384,8 @@ class AppArgs(_Strict):
                 "conversations.pull_history: upstream is vLLM's pull-mode read-back of a conversation's history; it needs "
                 "mode: pull and conversations.enabled (push reuses history its own way)"
             )
+        if self.handoff.progressive and self.mode is not TransferMode.PUSH:
+            problems.append("handoff.progressive: prefill WRITEs chunks only in push mode (pull READs once, after prefill)")
         if BIDIRECTIONAL_KEY in self.nixl.extra_config:
             problems.append(f"nixl.extra_config.{BIDIRECTIONAL_KEY}: set conversations.pull_history: upstream (pull mode) instead")
         if DECODER_BLOCKS_TTL_KEY in self.nixl.extra_config:

@@ -45,7 +45,8 @@ def kv_transfer_config(args: AppArgs, role: Role) -> dict[str, Any]:
     # nixl.extra_config holds none of ours (NixlArgs refuses them): ours come from handoff.* and the TP sizes.
     extra = {**args.nixl.extra_config, "backends": list(args.nixl.backends)}
     if args.mode is TransferMode.PUSH:
-        ours = ConnectorSettings(kv_timeout_s=args.handoff.kv_timeout_s, kv_checksums=args.handoff.kv_checksums)
+        ours = ConnectorSettings(kv_timeout_s=args.handoff.kv_timeout_s, kv_checksums=args.handoff.kv_checksums,
+                                 progressive=args.handoff.progressive)
         extra[RECOMPUTE_THRESHOLD_KEY] = args.conversations.recompute_threshold
     else:
         peer = Role.DECODE if role is Role.PREFILL else Role.PREFILL

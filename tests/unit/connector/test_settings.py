@@ -21,7 +21,7 @@ def test_our_keys_are_read_and_vllms_left_to_vllm(extra, expected):
 
 @pytest.mark.parametrize("extra, says", [
     ({"rendezvous_kv_checksum": False}, "unknown kv_connector_extra_config key(s) ['rendezvous_kv_checksum']; ours are "
-                                        "['rendezvous_kv_timeout_s', 'rendezvous_kv_checksums', 'rendezvous_kv_peer_tp_size']"),
+                                        "['rendezvous_kv_timeout_s', 'rendezvous_kv_checksums', 'rendezvous_progressive', 'rendezvous_kv_peer_tp_size']"),
     ({"rendezvous_kv_timeout_s": -1}, "kv_timeout_s"),
     ({"rendezvous_kv_peer_tp_size": "two"}, "kv_peer_tp_size"),
 ])
