@@ -1,7 +1,12 @@
 """1 prefill : 2 decode on one box (configs/local-cpu-1p2d.yaml): per-replica ports and
 engine ids never clash, both decode replicas serve token-identical answers, the decode
 pick is load-aware, short prompts are prefilled locally (no transfer), and every turn of
-a conversation goes to the replica holding it until its retention (short here) ends."""
+a conversation goes to the replica holding it until its retention (short here) ends.
+
+The config pushes progressively (handoff.progressive, 512-token prefill chunks): prefill
+WRITEs each chunk's KV while the next computes, so every disaggregated answer here, each
+conversation turn included, is also a check of progressive push; the faults of a chunk
+WRITE and of a late registration are at the end."""
 
 from __future__ import annotations
 
@@ -21,11 +26,14 @@ from bench.engine_metrics import counted_by, delta, scrape, settle, settle_quiet
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
-from tests.integration.cases import CASE_BY_NAME, CASES, Case, assert_token_identical, long_text, parse_generation
-from tests.integration.apps import EngineGauges, app_client, with_args
+from tests.integration.cases import (
+    CASE_BY_NAME, CASES, Case, assert_token_identical, long_text, parse_generation, requests_by_prefill_path,
+)
+from tests.integration.apps import EngineGauges, KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-1p2d.yaml"
+CHUNK_TOKENS = 512  # its engines' max_num_batched_tokens
 RETENTION_S = 30  # long enough for a turn on a slow CI box, short enough to wait out
 
 
@@ -36,7 +44,8 @@ QUEUE_DEADLINE_S = 20.0  # short enough for a burst to outlast it, long enough f
 def client(log_dir):
     # No TTFT target: the burst of the queue-deadline test is admitted whole (max_in_flight is the rule).
     ingress = {"queue_deadline_s": QUEUE_DEADLINE_S, "ttft_slo_s": None}
-    yield from app_client(with_args(CONFIG, log_dir, conversations={"retention_s": RETENTION_S}, ingress=ingress), log_dir)
+    yield from app_client(with_args(CONFIG, log_dir, conversations={"retention_s": RETENTION_S}, ingress=ingress), log_dir,
+                          switch=KvFaultSwitch(log_dir / "kv-fault"))
 
 
 _HANDLED = ("ray_serve_deployment_request_counter_total", "ray_serve_deployment_error_counter_total")
@@ -157,9 +166,50 @@ def test_short_prompts_are_prefilled_locally_long_ones_remotely(client, referenc
     assert sum((handled_by_replica(client, "Prefill") - prefill_before).values()) == 0, "short prompts reached prefill"
 
     before = metrics.settled_snapshot()
-    assert_token_identical(client, reference, CASE_BY_NAME["completion-long"])
-    after = metrics.wait_for(lambda s: delta(s, before, "prefill", "nixl_xfer_time_seconds_count") >= 1)
-    assert delta(after, before, "prefill", "nixl_xfer_time_seconds_count") == 1
+    got = assert_token_identical(client, reference, CASE_BY_NAME["completion-long"])
+    # Progressive push: a WRITE for each chunk prefill computed after decode's registration came, then the last.
+    steps = -(-len(got.prompt_ids) // CHUNK_TOKENS)
+    after = metrics.wait_for(lambda s: delta(s, before, "prefill", "nixl_xfer_time_seconds_count") >= 2)
+    assert 2 <= delta(after, before, "prefill", "nixl_xfer_time_seconds_count") <= steps, steps
+
+
+def _with_fault(client, reference, fault: str, count_writes: bool = False) -> tuple[Counter, float | None]:
+    """One long prompt (several prefill chunks) with a test-only progressive-push fault on: token-identical to one
+    engine all the same. Returns how it was counted (requests by prefill path) and, if asked, the prefill engine's
+    WRITEs for it."""
+    case = Case(f"progressive-{fault}", prompt=f"Progressive push ({fault}).\n" + long_text(120) + "\nNote 3 says")
+    case.reference(reference)
+    paths = lambda: requests_by_prefill_path(client)  # noqa: E731
+    before = settle(paths, timeout_s=90.0, on_timeout="return")
+    engines_before = client.metrics.settled_snapshot() if count_writes else None
+    client.kv_fault.write_text(fault)
+    try:
+        assert_token_identical(client, reference, case)
+    finally:
+        client.kv_fault.write_text("")
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while sum((grown := paths() - before).values()) < 1:
+        assert time.monotonic() < deadline, f"{fault}: the request was not counted"
+        time.sleep(1)
+    if not count_writes:
+        return grown, None
+    engines = client.metrics.settled_snapshot()
+    return grown, delta(engines, engines_before, "prefill", "nixl_xfer_time_seconds_count")
+
+
+def test_a_failed_chunk_write_makes_decode_recompute_at_once_and_is_counted(client, reference):
+    """connector.progressive: the second chunk WRITE of a leg fails (test-only ``fail-chunk``): prefill posts no last
+    WRITE and tells decode at once, which recomputes the prompt (prefill path kv_failed), long before the KV's
+    deadline (a failure there would count as kv_deadline); nothing is decoded from the part of the KV that landed."""
+    grown, _ = _with_fault(client, reference, "fail-chunk")
+    assert dict(grown) == {"kv_failed": 1}, dict(grown)
+
+
+def test_a_registration_that_comes_after_prefill_gets_everything_computed_in_one_write(client, reference):
+    """connector.progressive: decode's registration held on prefill until the leg has finished (test-only
+    ``late-registration``): the chunks computed meanwhile go in one WRITE, then the last one: two WRITEs."""
+    grown, writes = _with_fault(client, reference, "late-registration", count_writes=True)
+    assert dict(grown) == {"remote": 1} and writes == 2, (dict(grown), writes)
 
 
 def _counted(after, before, history: str) -> float:
