@@ -26,6 +26,8 @@ def _sweep(a: argparse.Namespace) -> int:
     profile = get_profile(a.profile)
     if a.config:
         profile = profile.with_configs(dict(_mode_config(item) for item in a.config))
+    if a.set:
+        profile = profile.with_overrides(_overrides(a.set))
     out = Path(a.out or f"results/{profile.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     modes = [Mode(m) for m in a.mode] if a.mode else None
     run_sweep(
@@ -42,6 +44,23 @@ def _mode_config(item: str):
     if not sep or mode not in {m.value for m in Mode}:
         raise SystemExit(f"--config wants MODE=PATH with MODE one of {', '.join(m.value for m in Mode)}: got {item!r}")
     return Mode(mode), path
+
+
+def _overrides(items: list[str]) -> dict:
+    """``--set engine_kwargs.max_num_batched_tokens=512`` as app args: {"engine_kwargs": {"max_num_batched_tokens": 512}}."""
+    import yaml
+
+    overrides: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set wants KEY=VALUE (KEY dotted, as in docs/configuration.md): got {item!r}")
+        *sections, last = key.split(".")
+        target = overrides
+        for section in sections:
+            target = target.setdefault(section, {})
+        target[last] = yaml.safe_load(value)
+    return overrides
 
 
 def _plot(a: argparse.Namespace) -> int:
@@ -127,6 +146,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-budget", action="store_true", help="run every point even past the profile's time budget")
     s.add_argument("--config", action="append", metavar="MODE=PATH",
                    help="run MODE with this app config instead of the profile's (repeatable), e.g. an A/B of one setting")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="set an app arg in every mode's config (repeatable; KEY as in docs/configuration.md), e.g. "
+                   "engine_kwargs.max_num_batched_tokens=512")
     s.set_defaults(func=_sweep)
 
     s = sub.add_parser("plot", help="redraw ttft_vs_rate.png and tpot_vs_rate.png from RESULTS_DIR/results.json")

@@ -27,12 +27,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 class Mode(str, Enum):
     PUSH = "push"
+    PUSH_PROGRESSIVE = "push-progressive"  # push with handoff.progressive: a WRITE per finished prefill chunk
     PULL = "pull"
     AGGREGATED = "aggregated"
 
     @property
     def disaggregated(self) -> bool:
         return self is not Mode.AGGREGATED
+
+    @property
+    def transfer(self) -> str | None:
+        """The app's ``mode`` (push or pull) this benchmark mode runs; None for one aggregated engine."""
+        return {Mode.PUSH_PROGRESSIVE: "push", Mode.AGGREGATED: None}.get(self, self.value)
 
 
 class ProfileError(ValueError):
@@ -76,10 +82,36 @@ class Profile:
     range_ratio: float = 0.0  # input lengths drawn from [len x (1 - r), len x (1 + r)]
     prefix_caching_off: bool = True  # refuse configs that enable it (random prompts; cache hits skew TTFT)
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # App args set on top of every mode's config (e.g. the same prefill chunk size everywhere), and per mode.
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+    mode_overrides: Mapping[Mode, Mapping[str, Any]] = field(default_factory=dict)
+    # Run the disaggregated modes on this host's three-node cluster (app.tools.cluster, root), the prefill and
+    # decode nodes' links shaped to this rate (Mbit/s); the aggregated engine runs as `make serve` runs it.
+    link_mbit: float | None = None
+
+    def config_of(self, mode: Mode) -> dict[str, Any]:
+        """``mode``'s app config as the sweep runs it: the profile's file, with the overrides set (push-progressive:
+        ``handoff.progressive``)."""
+        config = load_config(self.configs[mode])
+        args = config["applications"][0].setdefault("args", {})
+        progressive = {"handoff": {"progressive": True}} if mode is Mode.PUSH_PROGRESSIVE else {}
+        for overrides in (self.overrides, self.mode_overrides.get(mode, {}), progressive):
+            _merge(args, overrides)
+        return config
+
+    def on_cluster(self, mode: Mode) -> bool:
+        return self.link_mbit is not None and mode.disaggregated
 
     def with_configs(self, configs: Mapping[Mode, str]) -> "Profile":
         """The same points with some modes' configs replaced (checked like the profile's own before a run)."""
         return replace(self, configs={**self.configs, **configs})
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> "Profile":
+        """The same points with more app args set in every mode's config."""
+        merged: dict[str, Any] = {}
+        _merge(merged, self.overrides)
+        _merge(merged, overrides)
+        return replace(self, overrides=merged)
 
     @property
     def modes(self) -> list[Mode]:
@@ -128,7 +160,18 @@ class Profile:
             "backend": self.backend,
             "range_ratio": self.range_ratio,
             "timing_assumptions": vars(self.timing),
+            "overrides": {"all": dict(self.overrides), **{m.value: dict(o) for m, o in self.mode_overrides.items()}},
+            "link_mbit": self.link_mbit,
         }
+
+
+def _merge(into: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+    """Set ``overrides`` in ``into``, section by section (a nested mapping merges; anything else replaces)."""
+    for key, value in overrides.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = dict(value) if isinstance(value, Mapping) else value
 
 
 # The embedded default's three modes, in run order.
@@ -137,6 +180,9 @@ _CPU_CONFIGS = {
     Mode.PULL: "configs/local-cpu-pull.yaml",
     Mode.AGGREGATED: "configs/local-cpu-aggregated.yaml",
 }
+
+_CLUSTER_CONFIG = "configs/local-cpu-2node.yaml"
+CHUNK_TOKENS = 512  # cpu-link's prefill chunk (max_num_batched_tokens), the same in every mode
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -187,6 +233,25 @@ PROFILES: dict[str, Profile] = {
             window_s=40,
             min_prompts=3,
             max_prompts=12,
+        ),
+        Profile(
+            name="cpu-link",
+            description="the embedded app on this host's three-node cluster, its prefill and decode links shaped to "
+            "800 Mbit/s (a transfer ~20 % of the prefill it follows, the ratio of the GPU seeds): progressive push "
+            "vs push vs pull vs one aggregated engine, 512-token prefill chunks everywhere",
+            configs={Mode.PUSH_PROGRESSIVE: _CLUSTER_CONFIG, Mode.PUSH: _CLUSTER_CONFIG, Mode.PULL: _CLUSTER_CONFIG,
+                     Mode.AGGREGATED: _CPU_CONFIGS[Mode.AGGREGATED]},
+            rates={1024: (0.05, 0.1), 2048: (0.03, 0.06)},
+            output_len=16,
+            budget_s=60 * 60,
+            timing=CPU_2CORE,
+            window_s=60,
+            min_prompts=3,
+            max_prompts=4,
+            overrides={"engine_kwargs": {"max_num_batched_tokens": CHUNK_TOKENS}},
+            mode_overrides={Mode.PULL: {"mode": "pull"}},
+            link_mbit=800.0,
+            notes=("Exposed transfer: prefill finished to KV landed (the request timelines in the app log).",),
         ),
         Profile(
             name="aws-p5en",
@@ -262,11 +327,13 @@ def check_profile(profile: Profile, modes: list[Mode], output_len: int | None = 
     loaded = {}
     for mode in modes:
         path = profile.configs[mode]
-        config = load_config(path)
+        config = profile.config_of(mode)
         args = app_args_of(config)
         import_path = config["applications"][0].get("import_path", "")
-        if mode.disaggregated and args.mode.value != mode.value:
+        if mode.disaggregated and args.mode.value != mode.transfer:
             raise ProfileError(f"{path}: mode is {args.mode.value!r}, but profile {profile.name} runs it as {mode.value!r}")
+        if mode is Mode.PUSH and args.handoff.progressive:
+            raise ProfileError(f"{path}: handoff.progressive is on; run it as mode {Mode.PUSH_PROGRESSIVE.value!r}")
         if not mode.disaggregated and not import_path.startswith("app.aggregated:"):
             raise ProfileError(f"{path}: the aggregated baseline must use import_path app.aggregated:build_aggregated_app")
         shortest = min(profile.input_lens) * (1 - profile.range_ratio)

@@ -20,7 +20,7 @@ from typing import Any
 SCHEMA = 1
 PERCENTILES = (50, 90, 99)  # asked of vLLM's benchmark client
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
-MODE_ORDER = ("push", "pull", "aggregated")
+MODE_ORDER = ("push-progressive", "push", "pull", "aggregated")
 
 KEY_COLUMNS = ["mode", "input_len", "request_rate", "output_len", "num_prompts"]
 LATENCY_COLUMNS = [f"{m}_p{p}_ms" for m in LATENCIES for p in PERCENTILES] + [f"{m}_mean_ms" for m in LATENCIES]
@@ -43,7 +43,9 @@ TRANSFER_COLUMNS = [
     "nixl_xfer_time_mean_ms_est_bucket_mid",
     "transfer_metrics_settled",
 ]
-COLUMNS = KEY_COLUMNS + LOAD_COLUMNS + LATENCY_COLUMNS + TRANSFER_COLUMNS
+# From the request timelines in the app's log (app.request.timeline), where the sweep started the app.
+EXPOSED_COLUMNS = ["exposed_transfer_p50_ms", "exposed_transfer_p90_ms", "exposed_transfers"]
+COLUMNS = KEY_COLUMNS + LOAD_COLUMNS + LATENCY_COLUMNS + TRANSFER_COLUMNS + EXPOSED_COLUMNS
 NOTES = {
     "latencies": "client-side, from vLLM's benchmark (vllm.benchmarks.serve); warm-up requests excluded",
     "nixl_transfers": "exact: NIXL transfer count (histogram _count) over the point, all engines",
@@ -52,6 +54,8 @@ NOTES = {
     "(_hi empty if a transfer landed above the last bucket)",
     "nixl_xfer_time": "mean transfer time from bucket counts, each at its bucket's midpoint (an estimate)",
     "transfer_metrics_settled": "false if Ray's export did not show every transfer of the point within the wait",
+    "exposed_transfer": "prefill finished to KV landed on decode (the transfer left on the critical path), per request "
+    "of the point, from the app log's request timelines: p50, p90 and how many requests had both stamps",
 }
 
 

@@ -20,7 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from app.model_source import resolve_model_source
+from app.request.envelope import Route
+from app.tools.cluster_plan import NodeKind
 from app.tools.procs import AppProcess, base_url_of, busy_ports, kill_run
 from bench import client
 from bench.engine_metrics import RoleMetrics, Snapshot, histogram_estimate, total_delta
@@ -29,6 +33,7 @@ from bench.profiles import Mode, Profile, ProfileError, app_args_of, check_profi
 from bench.results import Transfers, make_row, merge_rows, read_results, write_results
 
 TRANSFER_COUNT = "nixl_xfer_time_seconds_count"
+TIMELINE_WAIT_S = 2.0  # until the last request's timeline is in the app's log
 FAILED_TRANSFERS = ("nixl_num_failed_transfers_total", "nixl_num_failed_transfers")
 
 
@@ -124,12 +129,14 @@ def warm_up(base_url: str, tokenizer: str, input_len: int, output_len: int, n: i
 
 
 @contextlib.contextmanager
-def running_app(config_path: str, base_url: str, log_dir: Path) -> Iterator[AppProcess]:
-    """Start ``config_path`` like ``make serve``; on exit Ctrl-C it and insist nothing is left."""
+def running_app(config_path: str, base_url: str, log_dir: Path, link_mbit: float | None = None) -> Iterator[AppProcess]:
+    """Start ``config_path`` like ``make serve`` (with ``link_mbit``: on this host's three-node cluster, its links
+    shaped to that rate, like ``make serve-cluster LINK_MBIT=...``); on exit Ctrl-C it and insist nothing is left."""
     busy = busy_ports()
     if busy:
         raise RuntimeError(f"ports {busy} are taken before starting {config_path}: stop that app first (make clean-procs)")
-    app = AppProcess(config_path, log_dir, base_url=base_url).start()
+    how, args = ("cluster", ["--link-mbit", f"{link_mbit:g}"]) if link_mbit is not None else ("app.tools.run", [])
+    app = AppProcess(config_path, log_dir, how=how, base_url=base_url, args=args).start()
     log(f"started {config_path} (run id {app.run_id[:8]}, log {app.log_path})")
     try:
         t0 = time.monotonic()
@@ -193,7 +200,7 @@ def run_sweep(
                 "output_len": output_len,
                 "base_url": base_url,
                 # A cluster of this host's namespaces shaped with --link-mbit: the rate its KV crossed (Mbit/s).
-                "link_mbit": _cluster_link_mbit() if base_url else None,
+                "link_mbit": _cluster_link_mbit() if base_url else profile.link_mbit,
                 "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
                 "elapsed_s": round(time.monotonic() - start, 1),
                 "skipped": skipped,
@@ -204,20 +211,32 @@ def run_sweep(
         return not ignore_budget and time.monotonic() + seconds > deadline
 
     for mode in modes:
-        config_path, config = profile.configs[mode], configs[mode]
+        config, cluster = configs[mode], None
+        # The config as run (the profile's overrides set), kept with the results.
+        config_path = str(out_dir / "configs" / f"{mode.value}.yaml")
+        Path(config_path).parent.mkdir(exist_ok=True)
+        Path(config_path).write_text(yaml.safe_dump(config))
         args = app_args_of(config)
         model_dir = tokenizer or resolve_model_source(args.model.source)
         url = base_url or base_url_of(config)
+        if profile.on_cluster(mode) and not base_url:
+            from app.tools.cluster import load_plan  # root only: the profiles that ask for a cluster
+
+            cluster = load_plan(link_mbit=profile.link_mbit)
+            url = cluster.base_url(int(config.get("http_options", {}).get("port", 8000)))
         first_point = profile.point_s(*profile.points()[0], mode, output_len)
         if not base_url and over_budget(profile.mode_fixed_s(mode, output_len) + first_point):
             skipped.append(f"{mode.value}: all points (not even one would fit the budget)")
             log(f"SKIPPING {mode.value}: starting it now would overrun the {profile.budget_s / 60:.0f} min budget")
             continue
-        app_context = contextlib.nullcontext(None) if base_url else running_app(config_path, url, out_dir / "logs")
+        link = profile.link_mbit if cluster is not None else None
+        app_context = contextlib.nullcontext(None) if base_url else running_app(config_path, url, out_dir / "logs", link)
         with app_context as app:
             metrics = None
             if mode.disaggregated:
-                if app is not None:
+                if cluster is not None:
+                    metrics = RoleMetrics([cluster.metrics_url(kind) for kind in NodeKind])
+                elif app is not None:
                     metrics = RoleMetrics(app.metrics_url())
                 elif metrics_urls:
                     metrics = RoleMetrics(metrics_urls)
@@ -232,12 +251,15 @@ def run_sweep(
                     continue
                 n = profile.num_prompts(rate)
                 log(f"{name}: {n} prompts, {output_len} output tokens")
+                started = time.time()
                 point = run_point(
                     url, model_dir, input_len, rate, n, output_len,
                     mode=mode.value, metrics=metrics, before=before, model=args.model.id,
                     backend=profile.backend, range_ratio=profile.range_ratio, raw_dir=out_dir / "raw",
                 )
                 before = point.after if point.after is not None else before
+                if app is not None and mode.disaggregated:
+                    point.row.update(exposed_transfers(app.log_path, started, time.time()))
                 rows.append(point.row)
                 write_results(out_dir, merge_rows(existing, rows), meta())
     all_rows = merge_rows(existing, rows)
@@ -247,6 +269,23 @@ def run_sweep(
             log(f"wrote {path}")
     log(f"done in {(time.monotonic() - start) / 60:.1f} min; results in {out_dir}/results.csv" + (f"; skipped {len(skipped)}" if skipped else ""))
     return all_rows
+
+
+def exposed_transfers(log_path: Path, since: float, until: float) -> dict[str, Any]:
+    """The exposed transfer (prefill finished to KV landed) of the disaggregated requests that arrived between
+    ``since`` and ``until`` (wall clock), from their timelines in the app's log: bench.results.EXPOSED_COLUMNS."""
+    from bench.timeline import read_timelines  # bench.timeline runs its apps with running_app above
+
+    time.sleep(TIMELINE_WAIT_S)
+    seconds = sorted(
+        stages["transfer"] for timeline in read_timelines(log_path).values()
+        if timeline.route is Route.REMOTE and timeline.stamps and since <= min(timeline.stamps.values()) <= until
+        and "transfer" in (stages := timeline.stages())
+    )
+    if not seconds:
+        return {"exposed_transfers": 0}
+    at = lambda q: seconds[min(len(seconds) - 1, int(q * len(seconds)))] * 1e3  # noqa: E731
+    return {"exposed_transfer_p50_ms": at(0.5), "exposed_transfer_p90_ms": at(0.9), "exposed_transfers": len(seconds)}
 
 
 def _cluster_link_mbit() -> float | None:

@@ -33,3 +33,20 @@ def test_sweep_runs_a_mode_with_another_config_when_told(item, expected):
     assert profile.configs[Mode.PULL] == PROFILES["cpu-quick"].configs[Mode.PULL]
     assert profile.points() == PROFILES["cpu-quick"].points()
     assert app_args_of(check_profile(profile, [Mode.PUSH])[Mode.PUSH]).handoff.kv_checksums is False
+
+
+def test_progressive_push_on_and_off_on_the_unshaped_quick_profile():
+    """``--config push-progressive=configs/local-cpu.yaml --set engine_kwargs.max_num_batched_tokens=512``: the same
+    chunks in both modes, progressive on in one (docs/benchmarks.md)."""
+    from bench.__main__ import _mode_config, _overrides
+
+    args = parser().parse_args(["sweep", "--profile", "cpu-quick", "--mode", "push", "--mode", "push-progressive",
+                                "--config", "push-progressive=configs/local-cpu.yaml",
+                                "--set", "engine_kwargs.max_num_batched_tokens=512", "--set", "handoff.kv_checksums=true"])
+    profile = PROFILES["cpu-quick"].with_configs(dict(_mode_config(i) for i in args.config)).with_overrides(_overrides(args.set))
+    modes = [Mode(m) for m in args.mode]
+    got = {m: app_args_of(c) for m, c in check_profile(profile, modes).items()}
+    assert {m: (a.engine_kwargs["max_num_batched_tokens"], a.handoff.progressive) for m, a in got.items()} == {
+        Mode.PUSH: (512, False), Mode.PUSH_PROGRESSIVE: (512, True)}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _overrides(["engine_kwargs.max_num_batched_tokens"])

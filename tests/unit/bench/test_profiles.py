@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from app.tools.procs import base_url_of
-from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile
+from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
@@ -103,6 +103,27 @@ def test_config_mode_must_match(tmp_path):
     path = _write_config(tmp_path, {"mode": "pull", "engine_kwargs": {"enable_prefix_caching": False}})
     profile = dataclasses.replace(PROFILES["cpu-quick"], configs={Mode.PUSH: path})
     with pytest.raises(ProfileError, match="mode is 'pull'"):
+        check_profile(profile, [Mode.PUSH])
+
+
+def test_cpu_link_runs_every_mode_with_the_same_chunks_and_only_progressive_push_streams_them():
+    profile = PROFILES["cpu-link"]
+    configs = check_profile(profile, profile.modes)
+    args = {mode: app_args_of(config) for mode, config in configs.items()}
+    assert {m: a.engine_kwargs["max_num_batched_tokens"] for m, a in args.items()} == {m: 512 for m in profile.modes}
+    assert {m: a.handoff.progressive for m, a in args.items()} == {
+        Mode.PUSH_PROGRESSIVE: True, Mode.PUSH: False, Mode.PULL: False, Mode.AGGREGATED: False}
+    assert args[Mode.PULL].mode.value == "pull" and args[Mode.PUSH_PROGRESSIVE].mode.value == "push"
+    # The disaggregated modes cross the shaped links of the three-node cluster; one engine has no link to cross.
+    assert [m for m in profile.modes if profile.on_cluster(m)] == [Mode.PUSH_PROGRESSIVE, Mode.PUSH, Mode.PULL]
+    assert load_config(profile.configs[Mode.PUSH]) != configs[Mode.PUSH]  # the file itself is untouched
+
+
+def test_plain_push_refuses_a_progressive_config(tmp_path):
+    path = _write_config(tmp_path, {"mode": "push", "handoff": {"progressive": True},
+                                    "engine_kwargs": {"enable_prefix_caching": False}})
+    profile = dataclasses.replace(PROFILES["cpu-quick"], configs={Mode.PUSH: path})
+    with pytest.raises(ProfileError, match="push-progressive"):
         check_profile(profile, [Mode.PUSH])
 
 

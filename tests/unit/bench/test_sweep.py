@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
+import yaml
 
-from bench.profiles import PROFILES, Mode, ProfileError
+from app.request.envelope import Route
+from app.request.timeline import LOG_MARKER, RequestTimeline
+from bench.profiles import PROFILES, Mode, ProfileError, load_config
 from bench.results import TRANSFER_COLUMNS, read_results, write_results
 import bench.sweep as sweep
 from tests.support.bench import snap, vllm_result
@@ -81,16 +85,20 @@ def _fake_apps(monkeypatch, metrics):
     started = []
 
     @contextlib.contextmanager
-    def running_app(config_path, base_url, log_dir):
+    def running_app(config_path, base_url, log_dir, link_mbit=None):
         started.append(config_path)
 
         class App:
+            log_path = Path(log_dir) / "app.log"  # no request timelines: the exposed-transfer columns stay empty
+
             def metrics_url(self):
                 return "http://metrics"
 
+        App.log_path.write_text("")
         yield App()
 
     monkeypatch.setattr(sweep, "running_app", running_app)
+    monkeypatch.setattr(sweep, "TIMELINE_WAIT_S", 0)
     monkeypatch.setattr(sweep, "RoleMetrics", lambda url: metrics)
     monkeypatch.setattr(sweep, "resolve_model_source", lambda source: "/tok")
     return started
@@ -101,7 +109,9 @@ def test_sweep_runs_every_mode_and_point_and_writes_everything(fake_load, monkey
     started = _fake_apps(monkeypatch, metrics)
     profile = PROFILES["cpu-quick"]
     rows = sweep.run_sweep(profile, tmp_path, ignore_budget=True)
-    assert started == [profile.configs[m] for m in profile.modes]
+    # Each mode's config as run is kept with the results: the profile's file, with its overrides (none here).
+    assert started == [str(tmp_path / "configs" / f"{m.value}.yaml") for m in profile.modes]
+    assert all(yaml.safe_load(Path(path).read_text()) == load_config(profile.configs[m]) for path, m in zip(started, profile.modes))
     assert len(rows) == len(profile.modes) * len(profile.points())
     assert len(calls) == len(rows) + len(profile.modes) * (profile.warmups > 0)  # + one warm-up per mode
     for name in ("results.json", "results.csv", "ttft_vs_rate.png", "tpot_vs_rate.png"):
@@ -133,3 +143,23 @@ def test_sweep_refuses_a_directory_of_another_profile(fake_load, monkeypatch, tm
 def test_base_url_needs_exactly_one_mode(tmp_path):
     with pytest.raises(ProfileError, match="exactly one --mode"):
         sweep.run_sweep(PROFILES["cpu-quick"], tmp_path, base_url="http://x:8000")
+
+
+def test_exposed_transfer_is_read_from_the_timelines_of_the_points_requests(tmp_path, monkeypatch):
+    """Prefill finished to KV landed, for the disaggregated requests that arrived during the point."""
+    monkeypatch.setattr(sweep, "TIMELINE_WAIT_S", 0)
+
+    def line(request_id, arrived, transfer_s, route=Route.REMOTE):
+        stamps = {"arrived": arrived, "prefill_finished": arrived + 1.0, "kv_landed": arrived + 1.0 + transfer_s}
+        return RequestTimeline(request_id, "push", route, False, stamps).to_log_line()
+
+    log = tmp_path / "app.log"
+    log.write_text("\n".join([
+        "noise", line("a", 100.0, 0.010), line("b", 101.0, 0.030), line("c", 102.0, 0.020),
+        line("before", 90.0, 5.0), line("local", 101.5, 5.0, Route.LOCAL),
+    ]) + "\n")
+    assert LOG_MARKER in log.read_text()
+    got = sweep.exposed_transfers(log, 99.0, 110.0)
+    assert got["exposed_transfers"] == 3
+    assert got["exposed_transfer_p50_ms"] == pytest.approx(20.0) and got["exposed_transfer_p90_ms"] == pytest.approx(30.0)
+    assert sweep.exposed_transfers(log, 200.0, 210.0) == {"exposed_transfers": 0}
