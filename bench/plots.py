@@ -1,5 +1,5 @@
 """Figures from results rows: latency vs request rate, one panel per input length, one
-line per mode (push / pull / aggregated). Solid lines are p50, dashed p90."""
+line per mode (push-progressive / push / pull / aggregated). Solid lines are p50, dashed p90."""
 
 from __future__ import annotations
 
@@ -14,10 +14,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from bench.results import MODE_ORDER, sort_rows  # noqa: E402
 
-COLORS = {"push": "tab:blue", "pull": "tab:orange", "aggregated": "tab:green"}
+COLORS = {"push-progressive": "tab:purple", "push": "tab:blue", "pull": "tab:orange", "aggregated": "tab:green"}
 FIGURES = {
     "ttft_vs_rate.png": ("ttft", "TTFT (ms)", "Time to first token"),
     "tpot_vs_rate.png": ("tpot", "TPOT (ms)", "Time per output token"),
+}
+# Drawn where the rows have it (a sweep that started its apps: bench.results.EXPOSED_COLUMNS).
+OPTIONAL_FIGURES = {
+    "exposed_transfer_vs_rate.png": ("exposed_transfer", "prefill finished → KV landed (ms)", "Exposed transfer"),
 }
 
 
@@ -66,7 +70,9 @@ def plot_latency_vs_rate(
 
 def plot_results(rows: Iterable[Mapping[str, Any]], out_dir: Path) -> list[Path]:
     rows = list(rows)
+    optional = {name: figure for name, figure in OPTIONAL_FIGURES.items()
+                if any(r.get(f"{figure[0]}_p50_ms") is not None for r in rows)}
     return [
         plot_latency_vs_rate(rows, metric, ylabel, title, Path(out_dir) / name)
-        for name, (metric, ylabel, title) in FIGURES.items()
+        for name, (metric, ylabel, title) in {**FIGURES, **optional}.items()
     ]
