@@ -142,12 +142,12 @@ def plan_chunks(legs: dict[str, _Leg], out, block_size: int) -> dict[str, Chunk]
 
 
 # ------------------------------------------------------------------------------------------- worker side
-def chunk_pairs(chunk: Chunk, decode_blocks: list[int]) -> list[tuple[int, int]]:
-    """(prefill block, decode block) for each block of ``chunk`` decode registered: the two tables pair from the
-    end (decode registers only what it does not hold), as vLLM pairs them for its own WRITE."""
-    offset = chunk.total_blocks - len(decode_blocks)
-    return [(p, decode_blocks[i - offset]) for i, p in enumerate(chunk.block_ids, start=chunk.first)
-            if 0 <= i - offset < len(decode_blocks)]
+def chunk_pairs(blocks: list[tuple[int, int]], total_blocks: int, decode_blocks: list[int]) -> list[tuple[int, int]]:
+    """(prefill block, decode block) for each (position, prefill block) of a leg of ``total_blocks`` that decode
+    registered: the two tables pair from the end (decode registers only what it does not hold), as vLLM pairs them
+    for its own WRITE."""
+    offset = total_blocks - len(decode_blocks)
+    return [(p, decode_blocks[i - offset]) for i, p in blocks if 0 <= i - offset < len(decode_blocks)]
 
 
 def rest_pairs(local: list[int], remote: list[int], written: set[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -288,8 +288,9 @@ class ProgressiveWriter(Feature):
         base_id = get_base_request_id(req_id)
         with self._lock:
             stream = self._streams.setdefault(base_id, _Stream(req_id))
-            if chunk.restart:
-                stream.written.clear()  # the old blocks may hold another request's KV by now: the last WRITE redoes all
+            if chunk.restart:  # the old blocks may hold another request's KV by now: the last WRITE redoes all
+                stream.written.clear()
+                stream.pending.clear()
             stream.total_blocks = chunk.total_blocks
             stream.pending.extend(enumerate(chunk.block_ids, start=chunk.first))
         if done is not None:
@@ -331,7 +332,7 @@ class ProgressiveWriter(Feature):
                 return  # upstream's single WRITE
             decode_blocks = list(self._as_grouped_block_ids(registration["local_block_ids"])[0])
             pending, stream.pending = stream.pending, []
-            pairs = chunk_pairs(Chunk(pending[0][0], tuple(b for _, b in pending), stream.total_blocks), decode_blocks)
+            pairs = chunk_pairs(pending, stream.total_blocks, decode_blocks)
             if not pairs:
                 return  # decode holds these blocks already (a conversation's history)
             key = f"{CHUNK_KEY}{stream.request_id}#{stream.writes}"

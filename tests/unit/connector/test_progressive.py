@@ -73,7 +73,7 @@ def test_a_leg_with_several_kv_cache_groups_is_left_to_vllm():
     (Chunk(2, (12, 13), 4), [23], [(13, 23)]),
 ])
 def test_a_chunk_goes_to_the_decode_blocks_vllm_would_pair_it_with(chunk, decode, pairs):
-    assert chunk_pairs(chunk, decode) == pairs
+    assert chunk_pairs(list(enumerate(chunk.block_ids, start=chunk.first)), chunk.total_blocks, decode) == pairs
 
 
 def test_the_last_write_moves_what_the_chunks_did_not_and_never_nothing():
