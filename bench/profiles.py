@@ -182,7 +182,7 @@ _CPU_CONFIGS = {
 }
 
 _CLUSTER_CONFIG = "configs/local-cpu-2node.yaml"
-CHUNK_TOKENS = 512  # cpu-link's prefill chunk (max_num_batched_tokens), the same in every mode
+CHUNK_TOKENS = 256  # cpu-link's prefill chunk (max_num_batched_tokens), the same in every mode: docs/benchmarks.md
 
 PROFILES: dict[str, Profile] = {
     p.name: p
@@ -238,7 +238,7 @@ PROFILES: dict[str, Profile] = {
             name="cpu-link",
             description="the embedded app on this host's three-node cluster, its prefill and decode links shaped to "
             "800 Mbit/s (a transfer ~20 % of the prefill it follows, the ratio of the GPU seeds): progressive push "
-            "vs push vs pull vs one aggregated engine, 512-token prefill chunks everywhere",
+            "vs push vs pull vs one aggregated engine, 256-token prefill chunks everywhere",
             configs={Mode.PUSH_PROGRESSIVE: _CLUSTER_CONFIG, Mode.PUSH: _CLUSTER_CONFIG, Mode.PULL: _CLUSTER_CONFIG,
                      Mode.AGGREGATED: _CPU_CONFIGS[Mode.AGGREGATED]},
             rates={1024: (0.05, 0.1), 2048: (0.03, 0.06)},

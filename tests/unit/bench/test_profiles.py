@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from app.tools.procs import base_url_of
-from bench.profiles import PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
+from bench.profiles import CHUNK_TOKENS, PROFILES, Mode, ProfileError, app_args_of, check_profile, load_config
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
@@ -110,7 +110,7 @@ def test_cpu_link_runs_every_mode_with_the_same_chunks_and_only_progressive_push
     profile = PROFILES["cpu-link"]
     configs = check_profile(profile, profile.modes)
     args = {mode: app_args_of(config) for mode, config in configs.items()}
-    assert {m: a.engine_kwargs["max_num_batched_tokens"] for m, a in args.items()} == {m: 512 for m in profile.modes}
+    assert {m: a.engine_kwargs["max_num_batched_tokens"] for m, a in args.items()} == {m: CHUNK_TOKENS for m in profile.modes}
     assert {m: a.handoff.progressive for m, a in args.items()} == {
         Mode.PUSH_PROGRESSIVE: True, Mode.PUSH: False, Mode.PULL: False, Mode.AGGREGATED: False}
     assert args[Mode.PULL].mode.value == "pull" and args[Mode.PUSH_PROGRESSIVE].mode.value == "push"
