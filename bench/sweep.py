@@ -24,6 +24,7 @@ import yaml
 
 from app.model_source import resolve_model_source
 from app.request.envelope import Route
+from app.request.timeline import RequestTimeline
 from app.tools.cluster_plan import NodeKind
 from app.tools.procs import AppProcess, base_url_of, busy_ports, kill_run
 from bench import client
@@ -242,6 +243,7 @@ def run_sweep(
                     metrics = RoleMetrics(metrics_urls)
             warm_up(url, model_dir, profile.input_lens[-1], output_len, profile.warmups, args.model.id, profile.backend)
             before = metrics.settled_snapshot() if metrics else None
+            windows: list[tuple[dict[str, Any], float, float]] = []  # each point's row and when it ran (wall clock)
             for input_len, rate in profile.points():
                 name = f"{mode.value} in={input_len} rate={rate:g}"
                 # The app must still be stopped after the point.
@@ -258,9 +260,14 @@ def run_sweep(
                     backend=profile.backend, range_ratio=profile.range_ratio, raw_dir=out_dir / "raw",
                 )
                 before = point.after if point.after is not None else before
-                if app is not None and mode.disaggregated:
-                    point.row.update(exposed_transfers(app.log_path, started, time.time()))
+                windows.append((point.row, started, time.time()))
                 rows.append(point.row)
+                write_results(out_dir, merge_rows(existing, rows), meta())
+            if app is not None and mode.disaggregated and windows:  # the app's log, read once a mode
+                time.sleep(TIMELINE_WAIT_S)
+                timelines = _read_timelines(app.log_path)
+                for row, since, until in windows:
+                    row.update(exposed_transfers(timelines, since, until))
                 write_results(out_dir, merge_rows(existing, rows), meta())
     all_rows = merge_rows(existing, rows)
     write_results(out_dir, all_rows, meta())
@@ -271,14 +278,17 @@ def run_sweep(
     return all_rows
 
 
-def exposed_transfers(log_path: Path, since: float, until: float) -> dict[str, Any]:
-    """The exposed transfer (prefill finished to KV landed) of the disaggregated requests that arrived between
-    ``since`` and ``until`` (wall clock), from their timelines in the app's log: bench.results.EXPOSED_COLUMNS."""
+def _read_timelines(log_path: Path) -> list[RequestTimeline]:
     from bench.timeline import read_timelines  # bench.timeline runs its apps with running_app above
 
-    time.sleep(TIMELINE_WAIT_S)
+    return list(read_timelines(log_path).values())
+
+
+def exposed_transfers(timelines: list[RequestTimeline], since: float, until: float) -> dict[str, Any]:
+    """The exposed transfer (prefill finished to KV landed) of the disaggregated requests that arrived between
+    ``since`` and ``until`` (wall clock), from their timelines (the app's log): bench.results.EXPOSED_COLUMNS."""
     seconds = sorted(
-        stages["transfer"] for timeline in read_timelines(log_path).values()
+        stages["transfer"] for timeline in timelines
         if timeline.route is Route.REMOTE and timeline.stamps and since <= min(timeline.stamps.values()) <= until
         and "transfer" in (stages := timeline.stages())
     )

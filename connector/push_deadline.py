@@ -132,7 +132,8 @@ class DeadlineWorker(Feature):
         if not self._aborted_legs:
             return  # every step of every engine: nothing to look at
         for rid, registration in list(self._pending_d_registrations.items()):
-            if get_base_request_id(rid) not in self._aborted_legs or not self._may_release(get_base_request_id(rid)):
+            base_id = get_base_request_id(rid)
+            if base_id not in self._aborted_legs or not self._may_release(base_id):
                 continue  # not aborted; or asked again at the next step, once its chunk WRITEs are done
             if self._pending_d_registrations.pop(rid, None) is None:
                 continue  # the writer thread took it meanwhile

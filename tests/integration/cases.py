@@ -263,12 +263,10 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
         time.sleep(1)
 
 
-def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, deadline_s: float) -> float:
-    """With the test-only ``fault`` on (``client.kv_fault``) one request's KV never all lands; at the
-    KV deadline (``deadline_s``) decode recomputes the prompt: the answer is still token-identical to
-    one engine and the request is counted as prefill="kv_deadline", nothing else. Returns how long
-    the answer took (each caller knows from when its deadline counts)."""
-    case = Case(f"kv-deadline-{fault}", prompt=f"Deadline drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
+def answered_under_fault(client, ref: ReferenceEngine, case: Case, fault: str, counted_as: str) -> tuple[Counter, float]:
+    """One request of ``case`` with the test-only ``fault`` on (``client.kv_fault``): token-identical to one engine
+    all the same. Returns the app's requests by prefill path since just before it, once one shows as
+    ``counted_as``, and how long the answer took."""
     case.reference(ref)  # before timing: the reference engine shares the box
     paths = lambda: requests_by_prefill_path(client)  # noqa: E731
     # Settled: the app's earlier requests may not be exported yet (seen when this ran first on a TP app).
@@ -281,9 +279,19 @@ def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, dead
         client.kv_fault.write_text("")
     took = time.monotonic() - started
     deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while (grown := paths() - before)["kv_deadline"] < 1:
-        assert time.monotonic() < deadline, f"not counted as kv_deadline: {dict(grown)}"
+    while (grown := paths() - before)[counted_as] < 1:
+        assert time.monotonic() < deadline, f"{fault}: not counted as {counted_as}: {dict(grown)}"
         time.sleep(2)
+    return grown, took
+
+
+def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, deadline_s: float) -> float:
+    """With the test-only ``fault`` on (``client.kv_fault``) one request's KV never all lands; at the
+    KV deadline (``deadline_s``) decode recomputes the prompt: the answer is still token-identical to
+    one engine and the request is counted as prefill="kv_deadline", nothing else. Returns how long
+    the answer took (each caller knows from when its deadline counts)."""
+    case = Case(f"kv-deadline-{fault}", prompt=f"Deadline drill ({fault}).\n" + long_text(40) + "\nNote 3 says")
+    grown, took = answered_under_fault(client, ref, case, fault, "kv_deadline")
     print(f"\n{fault}: answered in {took:.1f} s (KV deadline {deadline_s:g} s); by prefill path: {dict(grown)}")
     assert dict(grown) == {"kv_deadline": 1}, dict(grown)
     return took

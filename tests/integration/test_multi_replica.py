@@ -27,13 +27,13 @@ from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
 from tests.integration.cases import (
-    CASE_BY_NAME, CASES, Case, assert_token_identical, long_text, parse_generation, requests_by_prefill_path,
+    CASE_BY_NAME, CASES, Case, answered_under_fault, assert_token_identical, long_text, parse_generation,
 )
 from tests.integration.apps import EngineGauges, KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
 
 CONFIG = "configs/local-cpu-1p2d.yaml"
-CHUNK_TOKENS = 512  # its engines' max_num_batched_tokens
+CHUNK_TOKENS = app_args_of(load_config(CONFIG)).engine_kwargs["max_num_batched_tokens"]  # prefill's chunk
 RETENTION_S = 30  # long enough for a turn on a slow CI box, short enough to wait out
 
 
@@ -173,42 +173,25 @@ def test_short_prompts_are_prefilled_locally_long_ones_remotely(client, referenc
     assert 2 <= delta(after, before, "prefill", "nixl_xfer_time_seconds_count") <= steps, steps
 
 
-def _with_fault(client, reference, fault: str, count_writes: bool = False) -> tuple[Counter, float | None]:
-    """One long prompt (several prefill chunks) with a test-only progressive-push fault on: token-identical to one
-    engine all the same. Returns how it was counted (requests by prefill path) and, if asked, the prefill engine's
-    WRITEs for it."""
-    case = Case(f"progressive-{fault}", prompt=f"Progressive push ({fault}).\n" + long_text(120) + "\nNote 3 says")
-    case.reference(reference)
-    paths = lambda: requests_by_prefill_path(client)  # noqa: E731
-    before = settle(paths, timeout_s=90.0, on_timeout="return")
-    engines_before = client.metrics.settled_snapshot() if count_writes else None
-    client.kv_fault.write_text(fault)
-    try:
-        assert_token_identical(client, reference, case)
-    finally:
-        client.kv_fault.write_text("")
-    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
-    while sum((grown := paths() - before).values()) < 1:
-        assert time.monotonic() < deadline, f"{fault}: the request was not counted"
-        time.sleep(1)
-    if not count_writes:
-        return grown, None
-    engines = client.metrics.settled_snapshot()
-    return grown, delta(engines, engines_before, "prefill", "nixl_xfer_time_seconds_count")
+def _several_chunks(fault: str) -> Case:
+    """A prompt of four prefill chunks, for a test-only progressive-push fault."""
+    return Case(f"progressive-{fault}", prompt=f"Progressive push ({fault}).\n" + long_text(120) + "\nNote 3 says")
 
 
 def test_a_failed_chunk_write_makes_decode_recompute_at_once_and_is_counted(client, reference):
     """connector.progressive: the second chunk WRITE of a leg fails (test-only ``fail-chunk``): prefill posts no last
     WRITE and tells decode at once, which recomputes the prompt (prefill path kv_failed), long before the KV's
     deadline (a failure there would count as kv_deadline); nothing is decoded from the part of the KV that landed."""
-    grown, _ = _with_fault(client, reference, "fail-chunk")
+    grown, _ = answered_under_fault(client, reference, _several_chunks("fail-chunk"), "fail-chunk", "kv_failed")
     assert dict(grown) == {"kv_failed": 1}, dict(grown)
 
 
 def test_a_registration_that_comes_after_prefill_gets_everything_computed_in_one_write(client, reference):
     """connector.progressive: decode's registration held on prefill until the leg has finished (test-only
     ``late-registration``): the chunks computed meanwhile go in one WRITE, then the last one: two WRITEs."""
-    grown, writes = _with_fault(client, reference, "late-registration", count_writes=True)
+    engines_before = client.metrics.settled_snapshot()
+    grown, _ = answered_under_fault(client, reference, _several_chunks("late-registration"), "late-registration", "remote")
+    writes = delta(client.metrics.settled_snapshot(), engines_before, "prefill", "nixl_xfer_time_seconds_count")
     assert dict(grown) == {"remote": 1} and writes == 2, (dict(grown), writes)
 
 

@@ -145,9 +145,8 @@ def test_base_url_needs_exactly_one_mode(tmp_path):
         sweep.run_sweep(PROFILES["cpu-quick"], tmp_path, base_url="http://x:8000")
 
 
-def test_exposed_transfer_is_read_from_the_timelines_of_the_points_requests(tmp_path, monkeypatch):
+def test_exposed_transfer_is_read_from_the_timelines_of_the_points_requests(tmp_path):
     """Prefill finished to KV landed, for the disaggregated requests that arrived during the point."""
-    monkeypatch.setattr(sweep, "TIMELINE_WAIT_S", 0)
 
     def line(request_id, arrived, transfer_s, route=Route.REMOTE):
         stamps = {"arrived": arrived, "prefill_finished": arrived + 1.0, "kv_landed": arrived + 1.0 + transfer_s}
@@ -159,7 +158,8 @@ def test_exposed_transfer_is_read_from_the_timelines_of_the_points_requests(tmp_
         line("before", 90.0, 5.0), line("local", 101.5, 5.0, Route.LOCAL),
     ]) + "\n")
     assert LOG_MARKER in log.read_text()
-    got = sweep.exposed_transfers(log, 99.0, 110.0)
+    timelines = sweep._read_timelines(log)
+    got = sweep.exposed_transfers(timelines, 99.0, 110.0)
     assert got["exposed_transfers"] == 3
     assert got["exposed_transfer_p50_ms"] == pytest.approx(20.0) and got["exposed_transfer_p90_ms"] == pytest.approx(30.0)
-    assert sweep.exposed_transfers(log, 200.0, 210.0) == {"exposed_transfers": 0}
+    assert sweep.exposed_transfers(timelines, 200.0, 210.0) == {"exposed_transfers": 0}
