@@ -232,9 +232,9 @@ class ProgressiveWriter(Feature):
                 self._released.add(base_id)
                 self._on_writer(req_id, lambda n=notif: self.host._handle_push_reg_notif(n))
 
-    def take_notifs(self) -> int:
-        """Decode: the chunk WRITEs that landed (vLLM must not parse them); how many."""
-        return len(take(self._pending_completion_notifs, CHUNK_NOTIF))
+    def take_notifs(self) -> None:
+        """Decode: the chunk WRITEs that landed, taken out (vLLM must not parse them; its completion is the last)."""
+        take(self._pending_completion_notifs, CHUNK_NOTIF)
 
     def may_release(self, base_id: str) -> bool:
         """Whether decode may be told that this leg will not be written (connector.push_deadline): not while a chunk
@@ -262,6 +262,8 @@ class ProgressiveWriter(Feature):
 
     def poll(self) -> None:
         """Release the chunk WRITEs that are done (vLLM's poll: its transfer stats count each WRITE); note failures."""
+        if not self._streams:
+            return  # every step of every engine: nothing to look at (a stream outlives its chunk handles)
         with self._lock:
             if not self._chunk_transfers:
                 return self._drop_stale()
@@ -325,8 +327,9 @@ class ProgressiveWriter(Feature):
             handshake = self._ensure_handshake(engine_id, registration["decode_host"], registration["decode_port"],
                                                registration["decode_tp_size"])
             if handshake is not None:  # it runs on vLLM's executor: these blocks go once it is done
+                # With this registration: vLLM may have taken it for its last WRITE meanwhile (then it is not pending).
                 handshake.add_done_callback(lambda f: f.exception() is None and self._on_writer(
-                    stream.request_id, lambda: self._write_pending(base_id)))
+                    stream.request_id, lambda: self._write_pending(base_id, registration)))
                 return
             if self.transfer_topo.get_engine_info(engine_id).remote_physical_blocks_per_logical != 1:
                 return  # upstream's single WRITE
