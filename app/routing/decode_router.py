@@ -5,7 +5,8 @@ anything is known about how the prefill will go, so it should be the replica wit
 most room now. This router turns each candidate into an ``app.routing.pipeline.ReplicaSnapshot``
 from two sources and runs the configured pipeline:
 
-* the requests this router itself sent to each replica and that have not completed —
+* the requests this router itself sent to each replica and that have not completed, and their
+  tokens (prompt and output budget, as the replica counts them; ``app.routing.sent_tokens``) —
   exact and immediate for this ingress replica's own traffic;
 * Serve's own probed queue length (fresh to the last probe or routed request; it expires);
 * the stats each ``DecodeServer`` publishes through ``record_routing_stats`` every
@@ -36,6 +37,7 @@ from ray.serve.metrics import Counter as MetricCounter
 
 from app.request.envelope import DECODE_PICKED_AT, conversation_id_of
 from app.routing.pipeline import Decision, PublishedLoad, ReplicaSnapshot, RouteRequest, RoutingPolicy, pick
+from app.routing.sent_tokens import SentTokens, decode_tokens_of
 
 logger = logging.getLogger("ray.serve." + __name__)
 
@@ -109,6 +111,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
         self._policy = RoutingPolicy.model_validate(policy or {})
         self._sent_here: Counter = Counter()  # ReplicaID -> requests sent by this router, not completed
+        self._tokens_sent = SentTokens()  # ... and their tokens, by replica id: the published ones come late
         self._picked: OrderedDict[str, tuple[str, float]] = OrderedDict()  # conversation -> (replica, when)
         self._published: dict[str, tuple[Any, frozenset]] = {}  # replica -> (recorded_at, conversations)
 
@@ -122,6 +125,7 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
             self._sent_here[replica_id] -= 1
         else:
             self._sent_here.pop(replica_id, None)
+        self._tokens_sent.completed(internal_request_id)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
@@ -133,11 +137,12 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
         snapshots = [
             snapshot_from_stats(
                 rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now, self._sent_here[r.replica_id],
-                holds_conversation=rid in holders,
+                holds_conversation=rid in holders, tokens_sent_here=self._tokens_sent[rid],
             )
             for rid, r in by_id.items()
         ]
         decision = pick(self._policy, RouteRequest(conversation_id=conversation), snapshots)
+        self._count_tokens(pending_request, decision.replica_id)
         count_pick("decode", decision, conversation_holder=decision.replica_id in holders)
         _stamp_pick(pending_request)
         if conversation:
@@ -151,6 +156,17 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
                 decision.replica_id, decision.scores, decision.filtered_out, decision.fallback,
             )
         return ranked(decision, by_id)
+
+    def _count_tokens(self, pending_request, replica_id: str) -> None:
+        metadata = getattr(pending_request, "metadata", None)
+        request_id = getattr(metadata, "internal_request_id", None)
+        if request_id is None:
+            return
+        tokens = self._tokens_sent.tokens_of(request_id)  # its first pick was full: picked again
+        if tokens is None:
+            args = getattr(pending_request, "args", None) or ()
+            tokens = decode_tokens_of(args[0]) if args else 0
+        self._tokens_sent.picked(request_id, replica_id, tokens)
 
     def _holders(self, conversation: str, by_id: dict, now: float) -> set[str]:
         holders = set()

@@ -20,39 +20,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
 from typing import Any
 
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from app.request.deadlines import published_prefill_costs
-from app.request.envelope import PROMPT_TOKENS, record_prefill_pick
+from app.request.envelope import record_prefill_pick
 from app.routing.decode_router import count_pick, ranked, snapshot_from_stats
 from app.routing.pipeline import PublishedLoad, RouteRequest, RoutingPolicy, pick
+from app.routing.sent_tokens import SentTokens, prompt_tokens_of
 
 logger = logging.getLogger("ray.serve." + __name__)
-
-_CHARS_PER_TOKEN = 4  # when a leg does not say its prompt length
-_REMEMBERED = 10_000  # legs in flight this router keeps track of, at most
-
-
-def leg_tokens(request: Any) -> int:
-    """The prompt tokens of a prefill leg: as it says, else estimated from its text."""
-    said = PROMPT_TOKENS.read(request)
-    if said is not None:
-        return said
-    prompt = getattr(request, "prompt", None)
-    if isinstance(prompt, list):
-        return len(prompt)
-    text = prompt if isinstance(prompt, str) else "".join(str(m.get("content", "")) for m in getattr(request, "messages", None) or [])
-    return len(text) // _CHARS_PER_TOKEN
-
 
 class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, policy: dict[str, Any] | None = None) -> None:
         self._policy = RoutingPolicy.model_validate(policy or {})
-        self._tokens_sent: Counter = Counter()  # replica id -> prompt tokens of legs sent from here, not completed
-        self._in_flight: OrderedDict[str, tuple[str, int]] = OrderedDict()  # internal request id -> (replica, tokens)
+        self._tokens_sent = SentTokens()  # prompt tokens of the legs sent from here, not completed
 
     def update_replicas(self, replicas) -> None:
         # Serve calls it with each change of the replicas' published stats, picks or not: a request
@@ -68,15 +51,7 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
 
     def on_request_completed(self, replica_id, internal_request_id: str) -> None:
         super().on_request_completed(replica_id, internal_request_id)
-        self._forget(internal_request_id)
-
-    def _forget(self, internal_request_id: str) -> None:
-        entry = self._in_flight.pop(internal_request_id, None)
-        if entry is not None:
-            replica, tokens = entry
-            self._tokens_sent[replica] -= tokens
-            if self._tokens_sent[replica] <= 0:
-                del self._tokens_sent[replica]
+        self._tokens_sent.completed(internal_request_id)
 
     async def choose_replicas(self, candidate_replicas, pending_request=None):
         if not candidate_replicas:
@@ -84,9 +59,10 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
         now = time.time()
         by_id = {str(r.replica_id): r for r in candidate_replicas}
         request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
-        chosen_before = self._in_flight.get(request_id)  # its first pick was full: chosen again
         args = getattr(pending_request, "args", None) or ()
-        tokens = chosen_before[1] if chosen_before else leg_tokens(args[0]) if args else 0
+        tokens = self._tokens_sent.tokens_of(request_id)  # its first pick was full: chosen again
+        if tokens is None:
+            tokens = prompt_tokens_of(args[0]) if args else 0
         snapshots = [
             snapshot_from_stats(
                 rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
@@ -96,11 +72,7 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
         ]
         decision = pick(self._policy, RouteRequest(prompt_tokens=tokens), snapshots)
         if request_id is not None:
-            self._forget(request_id)  # count a leg chosen again once
-            self._in_flight[request_id] = (decision.replica_id, tokens)
-            self._tokens_sent[decision.replica_id] += tokens
-            if len(self._in_flight) > _REMEMBERED:  # legs that were chosen but never sent
-                self._forget(next(iter(self._in_flight)))
+            self._tokens_sent.picked(request_id, decision.replica_id, tokens)
         count_pick("prefill", decision)
         if args and getattr(args[0], "request_id", None):
             ahead = next((s.tokens_in_flight for s in snapshots if s.replica_id == decision.replica_id), 0)

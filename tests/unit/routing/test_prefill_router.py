@@ -10,7 +10,8 @@ import pytest
 
 from app.routing.pipeline import RoutingPolicy
 from app.request.envelope import PROMPT_TOKENS
-from app.routing.prefill_router import LoadAwarePrefillRouter, leg_tokens
+from app.routing.prefill_router import LoadAwarePrefillRouter
+from app.routing.sent_tokens import prompt_tokens_of
 from tests.support.routing import serve_router
 
 
@@ -39,7 +40,7 @@ def test_short_legs_avoid_the_replica_prefilling_a_long_prompt_until_it_complete
     assert [_choose(router, replicas, _leg(f"short-{i}", 100)) for i in range(3)] == [other] * 3
     router.on_request_completed(busy, "serve-long")
     assert _choose(router, replicas, _leg("next", 100)) == busy
-    assert dict(router._tokens_sent) == {other: 300, busy: 100}
+    assert router._tokens_sent.as_dict() == {other: 300, busy: 100}
 
 
 def test_published_prefill_work_of_other_routers_counts_too():
@@ -53,14 +54,14 @@ def test_a_leg_chosen_twice_counts_once():
     leg = _leg("again", 700)
     _choose(router, replicas, leg)
     _choose(router, replicas, SimpleNamespace(args=leg.args, metadata=leg.metadata))
-    assert dict(router._tokens_sent) == {"a": 700}
+    assert router._tokens_sent.as_dict() == {"a": 700}
 
 
 def test_a_leg_that_does_not_say_its_length_is_estimated_from_its_text():
-    assert leg_tokens(SimpleNamespace(request_id="silent", prompt="x" * 400)) == 100
-    assert leg_tokens(SimpleNamespace(request_id="ids", prompt=[1, 2, 3])) == 3
+    assert prompt_tokens_of(SimpleNamespace(request_id="silent", prompt="x" * 400)) == 100
+    assert prompt_tokens_of(SimpleNamespace(request_id="ids", prompt=[1, 2, 3])) == 3
     chat = SimpleNamespace(request_id="chat", prompt=None, messages=[{"role": "user", "content": "y" * 80}])
-    assert leg_tokens(chat) == 20
+    assert prompt_tokens_of(chat) == 20
 
 
 def test_the_prompt_length_travels_with_the_request_and_its_copies():
@@ -71,8 +72,8 @@ def test_the_prompt_length_travels_with_the_request_and_its_copies():
 
     for request in (CompletionRequest(model="m", prompt="z"), ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "z"}])):
         leg = pickle.loads(pickle.dumps(PROMPT_TOKENS.copy_with(request, 42).model_copy(deep=True)))
-        assert leg_tokens(leg) == 42
-    assert leg_tokens(SimpleNamespace(prompt="z", **{PROMPT_TOKENS.name: "42"})) == 0  # only an int counts
+        assert prompt_tokens_of(leg) == 42
+    assert prompt_tokens_of(SimpleNamespace(prompt="z", **{PROMPT_TOKENS.name: "42"})) == 0  # only an int counts
 
 
 def test_the_default_prefill_policy_weighs_tokens_over_requests():
