@@ -191,8 +191,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="report directory (default results/skew-<time>)")
     s.set_defaults(func=_skew)
 
-    s = sub.add_parser("timeline", help="per-request stage waterfall and median stage durations, push vs pull")
-    s.add_argument("--mode", action="append", choices=["push", "pull"], help="only this mode (repeatable)")
+    s = sub.add_parser("timeline", help="per-request stage waterfall and median stage durations, by mode")
+    s.add_argument("--mode", action="append", choices=["push", "pull", "push-progressive"], help="only this mode (repeatable)")
     s.add_argument("--cycles", type=int, default=4, help="cycles of: long prompt, short during its prefill, short alone")
     s.add_argument("--long-words", type=int, default=1800, help="words of the long prompt (~1.1 tokens each)")
     s.add_argument("--output-len", type=int, default=8)

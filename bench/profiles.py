@@ -96,7 +96,7 @@ class Profile:
         args = config["applications"][0].setdefault("args", {})
         progressive = {"handoff": {"progressive": True}} if mode is Mode.PUSH_PROGRESSIVE else {}
         for overrides in (self.overrides, self.mode_overrides.get(mode, {}), progressive):
-            _merge(args, overrides)
+            merge_args(args, overrides)
         return config
 
     def on_cluster(self, mode: Mode) -> bool:
@@ -109,8 +109,8 @@ class Profile:
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Profile":
         """The same points with more app args set in every mode's config."""
         merged: dict[str, Any] = {}
-        _merge(merged, self.overrides)
-        _merge(merged, overrides)
+        merge_args(merged, self.overrides)
+        merge_args(merged, overrides)
         return replace(self, overrides=merged)
 
     @property
@@ -165,11 +165,11 @@ class Profile:
         }
 
 
-def _merge(into: dict[str, Any], overrides: Mapping[str, Any]) -> None:
+def merge_args(into: dict[str, Any], overrides: Mapping[str, Any]) -> None:
     """Set ``overrides`` in ``into``, section by section (a nested mapping merges; anything else replaces)."""
     for key, value in overrides.items():
         if isinstance(value, Mapping) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
+            merge_args(into[key], value)
         else:
             into[key] = dict(value) if isinstance(value, Mapping) else value
 

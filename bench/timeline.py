@@ -1,13 +1,14 @@
 """``python -m bench timeline``: where each request's time to first token goes, per mode.
 
-For each mode (push, pull) the command starts the app with short prompts served by decode
+For each mode (push, pull, push-progressive; one prefill chunk size for all) the command starts the app with short prompts served by decode
 alone (``routing.local_prefill_below_tokens``), then repeats a cycle: a long prompt
 (disaggregated), a short one while the long one is being prefilled (decode is waiting for
 its KV then: in push, asleep), and a short one alone. Each request's timeline comes from
 the app's log (one ``rendezvous_timeline`` line per request, app/request/timeline.py), matched to
 the client's request by the response id. Output: ``timeline.json`` (every request's
 stamps and stages), ``timeline.csv`` (median stage durations per mode and kind),
-``waterfall.png`` (one bar per request, one colour per stage) and a Markdown table.
+``waterfall.png`` (one bar per request, one colour per stage; progressive push's chunk WRITEs drawn
+over its prefill as ``streamed``) and a Markdown table.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ import httpx
 import yaml
 
 from app.request.timeline import STAGES, RequestTimeline
+from bench.profiles import merge_args
 from bench.sweep import log, running_app
 
-MODES = {"push": "configs/local-cpu.yaml", "pull": "configs/local-cpu-pull.yaml"}
+MODES = {"push": "configs/local-cpu.yaml", "pull": "configs/local-cpu-pull.yaml", "push-progressive": "configs/local-cpu.yaml"}
+# App args a mode sets over its config's; every mode runs with the same prefill chunk (progressive push WRITEs one a chunk).
+CHUNK_TOKENS = 512
+_MODE_ARGS = {"push-progressive": {"handoff": {"progressive": True}}}
 KINDS = ("long", "short_during", "short_alone")
 _WORDS = "river fox stone cloud lantern meadow copper violin harbor maple".split()
 # Bars of the waterfall, in the order a request passes them.
@@ -38,6 +43,8 @@ _SEGMENTS = ["route", "bind", "prefill_hop", "prefill_queue", "prefill_compute",
 _COLORS = dict(zip(_SEGMENTS, ["tab:gray", "tab:olive", "tab:cyan", "tab:orange", "tab:blue", "gold", "tab:red",
                                "tab:red", "tab:pink", "tab:brown", "tab:purple", "tab:green"]))
 _DRAWN_AS_PARTS = {"handoff": ("transfer",), "transfer": ("write_wait", "write")}
+# Drawn over the bars, not after them: it overlaps prefill_compute.
+_OVERLAY, _OVERLAY_COLOR = "streamed", "tab:purple"
 
 
 @dataclass(frozen=True)
@@ -108,10 +115,13 @@ def read_timelines(log_path: Path) -> dict[str, RequestTimeline]:
     return out
 
 
-def _config_with_local_shorts(config_path: str, load: TimelineLoad, out_dir: Path) -> str:
+def _config_for(mode: str, config_path: str, load: TimelineLoad, out_dir: Path) -> str:
+    """``config_path`` with short prompts prefilled by decode, the bench's chunk size, and the mode's own args."""
     raw = yaml.safe_load(Path(config_path).read_text())
-    raw["applications"][0]["args"].setdefault("routing", {})["local_prefill_below_tokens"] = load.short_words * 3
-    derived = out_dir / f"{Path(config_path).stem}-timeline.yaml"
+    args = raw["applications"][0]["args"]
+    merge_args(args, {"routing": {"local_prefill_below_tokens": load.short_words * 3},
+                  "engine_kwargs": {"max_num_batched_tokens": CHUNK_TOKENS}, **_MODE_ARGS.get(mode, {})})
+    derived = out_dir / f"{mode}-timeline.yaml"
     derived.write_text(yaml.safe_dump(raw))
     return str(derived)
 
@@ -126,7 +136,7 @@ def run_timeline(out_dir: Path, load: TimelineLoad, modes: dict[str, str] = MODE
     for mode, config_path in modes.items():
         config = load_config(config_path)
         model, url = app_args_of(config).model.id, base_url_of(config)
-        with running_app(_config_with_local_shorts(config_path, load, out_dir), url, out_dir / "logs") as app:
+        with running_app(_config_for(mode, config_path, load, out_dir), url, out_dir / "logs") as app:
             _send(url, _schedule(TimelineLoad(cycles=1, period_s=0, during_s=0, alone_s=0), model))  # warm-up
             log(f"{mode}: {load.cycles} cycles of {load.period_s:g} s (long, short while it is prefilled, short alone)")
             sent = _send(url, _schedule(load, model))
@@ -200,6 +210,10 @@ def plot_waterfall(samples: list[Sample], path: Path) -> Path:
                     ax.barh(y, stages[name], left=left, color=_COLORS[name], label=name if y == 0 or name not in
                             ax.get_legend_handles_labels()[1] else None)
                     left += stages[name]
+            if _OVERLAY in stages:  # progressive push: the chunk WRITEs landing while prefill computes
+                ax.barh(y + 0.3, stages[_OVERLAY], left=stamps["first_chunk_landed"] - t0, height=0.25,
+                        color=_OVERLAY_COLOR, label=f"{_OVERLAY} ({s.timeline.chunk_writes} chunk WRITEs)"
+                        if y == 0 or _OVERLAY not in " ".join(ax.get_legend_handles_labels()[1]) else None)
         ax.set_yticks(range(len(rows)), [s.kind for s in rows], fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{mode}: each request from its arrival (s)", fontsize=9)

@@ -49,11 +49,12 @@ from connector.feature import Feature
 from connector.params import WRITE_MARGIN_S, is_prefill_leg
 from connector.push_deadline import registration_expired
 from connector.side_notifs import CHUNK_NOTIF, WONT_WRITE_NOTIF, take
+from connector.stages import chunk_notif_id, parse_chunk_landed, send_stamps
 
 logger = logging.getLogger("vllm.rendezvous")
 
 CHUNKS_ATTR = "rendezvous_chunks"  # on the step's connector metadata: leg request id -> Chunk
-CHUNK_KEY = CHUNK_NOTIF.decode()  # a chunk WRITE's key among the worker's transfers, and its notification's id
+CHUNK_KEY = CHUNK_NOTIF.decode()  # a chunk WRITE's key among the worker's transfers (connector.stages: its notification)
 _STREAM_KEPT_S = 600.0  # a leg's chunks whose last WRITE never came (its registration never did) are dropped after it
 _SETTLE_POLL_S = 0.0005  # how often the last WRITE looks whether the chunk WRITEs before it are done
 
@@ -233,8 +234,12 @@ class ProgressiveWriter(Feature):
                 self._on_writer(req_id, lambda n=notif: self.host._handle_push_reg_notif(n))
 
     def take_notifs(self) -> None:
-        """Decode: the chunk WRITEs that landed, taken out (vLLM must not parse them; its completion is the last)."""
-        take(self._pending_completion_notifs, CHUNK_NOTIF)
+        """Decode: the chunk WRITEs that landed, taken out (vLLM must not parse them; its completion is the last),
+        and stamped for the request's timeline (each decode rank hears its own: the replica keeps the first)."""
+        now = time.time()
+        for notif in take(self._pending_completion_notifs, CHUNK_NOTIF):
+            if (stamps := parse_chunk_landed(notif, now)) is not None:
+                send_stamps(stamps)
 
     def may_release(self, base_id: str) -> bool:
         """Whether decode may be told that this leg will not be written (connector.push_deadline): not while a chunk
@@ -344,7 +349,7 @@ class ProgressiveWriter(Feature):
                 stream.failed = stream.closed = True
                 return
             meta = _write_meta([p for p, _ in pairs], [d for _, d in pairs], engine_id,
-                               CHUNK_KEY + registration["request_id"], self)
+                               chunk_notif_id(registration["request_id"], stream.writes), self)
             self._xfer(key, meta)  # vLLM's WRITE, with our notification instead of its completion
             with self._sending_transfers_lock:
                 handles = self._sending_transfers.pop(key, [])

@@ -37,7 +37,7 @@ from typing import Any
 
 from connector.feature import Feature
 from connector.params import STAGES_KEY, is_decode_leg, is_prefill_leg, kv_timeout_of
-from connector.side_notifs import WRITE_STARTED_NOTIF, take
+from connector.side_notifs import CHUNK_NOTIF, WRITE_STARTED_NOTIF, take
 
 logger = logging.getLogger("vllm.rendezvous")
 
@@ -66,6 +66,8 @@ class DecodeKvStamps:
     landed: float | None = None  # the worker reported the receive complete
     write_started: float | None = None  # push: the prefill worker began its WRITE (its clock)
     failed: str | None = None  # a KvFailure value: the KV never landed, decode recomputes the prompt
+    chunk_landed: float | None = None  # progressive push: a chunk WRITE landed (connector.progressive)...
+    chunk: int | None = None  # ... its index in the leg's chunk WRITEs (0 first)
 
     def to_wire(self) -> bytes:
         return json.dumps(asdict(self)).encode()
@@ -81,7 +83,8 @@ class DecodeKvStamps:
             return None
         failed = raw.get("failed")
         return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "write_started")),
-                   failed=failed if failed in {f.value for f in KvFailure} else None)
+                   failed=failed if failed in {f.value for f in KvFailure} else None,
+                   chunk_landed=_seconds(raw.get("chunk_landed")), chunk=_tokens(raw.get("chunk")))
 
 
 # The serving replica's pid, set by the replica before its engine starts (the engine's
@@ -196,6 +199,22 @@ def parse_write_started(notif: bytes) -> DecodeKvStamps | None:
         at, request_id = notif[len(WRITE_STARTED_NOTIF):].decode().split(":", 1)
         return DecodeKvStamps(request_id, write_started=float(at))
     except ValueError:  # not ours, or malformed (UnicodeDecodeError is a ValueError)
+        return None
+
+
+# Progressive push: a chunk WRITE's notification (connector.progressive), which decode's worker takes aside:
+# b"<CHUNK_NOTIF><decode's request id>#<chunk index>:<prefill's world size>" (vLLM appends the size).
+
+
+def chunk_notif_id(decode_request_id: str, index: int) -> str:
+    return f"{CHUNK_NOTIF.decode()}{decode_request_id}#{index}"
+
+
+def parse_chunk_landed(notif: bytes, at: float) -> DecodeKvStamps | None:
+    try:
+        request_id, index = notif[len(CHUNK_NOTIF):].decode().rsplit(":", 1)[0].rsplit("#", 1)
+        return DecodeKvStamps(request_id, chunk_landed=at, chunk=int(index))
+    except ValueError:  # malformed
         return None
 
 

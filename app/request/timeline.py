@@ -35,6 +35,7 @@ PREFILL_STARTED = "prefill_started"  # prefill engine: the leg was first schedul
 PREFILL_FINISHED = "prefill_finished"  # prefill engine: its KV computed
 PREFILL_ANSWERED = "prefill_answered"  # decode replica: prefill's response came back
 KV_REQUESTED = "kv_requested"  # decode engine: blocks allocated (push: registered with prefill; pull: READ started)
+FIRST_CHUNK_LANDED = "first_chunk_landed"  # progressive push: decode engine: the first chunk WRITE landed
 WRITE_STARTED = "write_started"  # push: prefill's worker began the WRITE (via decode's engine)
 KV_LANDED = "kv_landed"  # decode engine: the KV is all there
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
@@ -54,6 +55,8 @@ STAGES: dict[str, tuple[str, str]] = {
     "register": (LEGS_SENT, KV_REQUESTED),  # push: decode leg into decode's engine, blocks registered
     "handoff": (PREFILL_FINISHED, FIRST_TOKEN),  # KV to decode (WRITE or READ) and decode's first step:
     "transfer": (PREFILL_FINISHED, KV_LANDED),  # ... push: WRITE; pull: answer to decode, READ
+    # Progressive push: KV streamed into decode while prefill still computed (overlaps prefill_compute, not a step of TTFT).
+    "streamed": (FIRST_CHUNK_LANDED, PREFILL_FINISHED),
     "write_wait": (PREFILL_FINISHED, WRITE_STARTED),  # ... push: until the writer thread starts the WRITE
     "write": (WRITE_STARTED, KV_LANDED),  # ... push: the WRITE, its notification, decode's engine seeing it
     "read": (KV_REQUESTED, KV_LANDED),  # ... pull: the READ and decode's engine seeing it done
@@ -64,10 +67,10 @@ STAGES: dict[str, tuple[str, str]] = {
 }
 # Stages that only make sense on one kind of route.
 _REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
-                "write_wait", "write", "read", "first_step"}
+                "streamed", "write_wait", "write", "read", "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
 # Pull registers nothing: its blocks are allocated after prefill answered, then it READs.
-_MODE_ONLY = {"register": TransferMode.PUSH, "write_wait": TransferMode.PUSH, "write": TransferMode.PUSH,
+_MODE_ONLY = {"register": TransferMode.PUSH, "streamed": TransferMode.PUSH, "write_wait": TransferMode.PUSH, "write": TransferMode.PUSH,
               "read": TransferMode.PULL}
 
 
@@ -81,6 +84,7 @@ class RequestTimeline:
     stream: bool
     stamps: dict[str, float] = field(default_factory=dict)
     kv_failure: str | None = None  # connector.stages.KvFailure: the KV never landed, decode recomputed the prompt
+    chunk_writes: int = 0  # progressive push: the chunk WRITEs that landed before the last WRITE
 
     def __post_init__(self) -> None:
         self.mode, self.route = TransferMode(self.mode), Route(self.route)  # their strings, as a log line has them
@@ -102,6 +106,9 @@ class RequestTimeline:
                             (KV_LANDED, stamps.landed)):
             if value is not None:
                 self.stamp(name, value)
+        if stamps.chunk_landed is not None:  # datagrams from several ranks, in any order: the earliest counts
+            self.stamps[FIRST_CHUNK_LANDED] = min(self.stamps.get(FIRST_CHUNK_LANDED, stamps.chunk_landed), stamps.chunk_landed)
+            self.chunk_writes = max(self.chunk_writes, (stamps.chunk or 0) + 1)
         # The worker's kv_mismatch and the scheduler's generic kv_failed report the same load: the specific one wins.
         if stamps.failed and (self.kv_failure is None or stamps.failed == KvFailure.MISMATCH.value):
             self.kv_failure = stamps.failed

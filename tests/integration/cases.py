@@ -8,6 +8,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from app.request.timeline import LOG_MARKER, RequestTimeline
 from bench.engine_metrics import counted_by, delta, settle
 from bench.profiles import kv_bytes_per_token
 from tests.integration.reference import Generation, ReferenceEngine
@@ -299,3 +300,19 @@ def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, dead
 
 def _fmt(le: float) -> str:
     return repr(le)
+
+
+def logged_timelines(client, route: str = "remote") -> list[RequestTimeline]:
+    """The request timelines in the app's log (one line per request, app.request.timeline), oldest first."""
+    lines = client.app.log_path.read_text(errors="replace").splitlines()
+    found = [RequestTimeline.from_log_line(line) for line in lines if LOG_MARKER in line]
+    return [t for t in found if t is not None and t.route == route]
+
+
+def new_timelines(client, seen: int, count: int = 1, timeout_s: float = 30) -> list[RequestTimeline]:
+    """The remote timelines logged after the first ``seen``, once there are ``count`` (Ray passes log lines on within seconds)."""
+    deadline = time.monotonic() + timeout_s
+    while len(found := logged_timelines(client)[seen:]) < count and time.monotonic() < deadline:
+        time.sleep(1)
+    assert len(found) >= count, f"{len(found)} new timeline lines in the app log, not {count}"
+    return found

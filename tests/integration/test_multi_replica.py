@@ -27,7 +27,8 @@ from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
 from tests.integration.cases import (
-    CASE_BY_NAME, CASES, Case, answered_under_fault, assert_token_identical, long_text, parse_generation,
+    CASE_BY_NAME, CASES, Case, answered_under_fault, assert_token_identical, logged_timelines, long_text, new_timelines,
+    parse_generation,
 )
 from tests.integration.apps import EngineGauges, KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
@@ -165,12 +166,19 @@ def test_short_prompts_are_prefilled_locally_long_ones_remotely(client, referenc
     time.sleep(settle_quiet_s())  # an export interval and a margin: a remote prefill would show by now
     assert sum((handled_by_replica(client, "Prefill") - prefill_before).values()) == 0, "short prompts reached prefill"
 
-    before = metrics.settled_snapshot()
+    before, seen = metrics.settled_snapshot(), len(logged_timelines(client))
     got = assert_token_identical(client, reference, CASE_BY_NAME["completion-long"])
     # Progressive push: a WRITE for each chunk prefill computed after decode's registration came, then the last.
     steps = -(-len(got.prompt_ids) // CHUNK_TOKENS)
     after = metrics.wait_for(lambda s: delta(s, before, "prefill", "nixl_xfer_time_seconds_count") >= 2)
-    assert 2 <= delta(after, before, "prefill", "nixl_xfer_time_seconds_count") <= steps, steps
+    writes = delta(after, before, "prefill", "nixl_xfer_time_seconds_count")
+    assert 2 <= writes <= steps, steps
+    # Its timeline: the chunk WRITEs landed on decode while prefill still computed (`streamed`), the last one after.
+    (timeline,) = new_timelines(client, seen)
+    assert timeline.chunk_writes == writes - 1, (timeline.chunk_writes, writes)
+    stamps = timeline.stamps
+    assert stamps["prefill_started"] < stamps["first_chunk_landed"] < stamps["prefill_finished"] <= stamps["kv_landed"], stamps
+    assert timeline.stages()["streamed"] > 0
 
 
 def _several_chunks(fault: str) -> Case:

@@ -21,7 +21,6 @@ import openai
 import pytest
 
 from app.model_source import resolve_model_source
-from app.request.timeline import LOG_MARKER, RequestTimeline
 from app.tools.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
 from bench.engine_metrics import scrape
 from bench.plots import plot_results
@@ -31,6 +30,8 @@ from bench.sweep import run_point
 
 from tests.integration.cases import (
     CASE_BY_NAME,
+    logged_timelines,
+    new_timelines,
     CASES,
     STREAMED,
     Case,
@@ -119,16 +120,13 @@ def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu
 def test_every_stage_of_a_request_is_timed_in_order(client):
     """app.request.timeline: each request's stamps in the order it passes them (one host, one
     clock), one log line per request, and the stage histogram on a live scrape."""
+    seen = len(logged_timelines(client))
     for stream in (False, True):
         r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
         assert r.status_code == 200
     order = ["arrived", "decode_picked", "decode_received", "legs_sent", "prefill_queued", "prefill_started",
              "prefill_finished", "kv_landed", "first_token", "first_chunk"]
-    deadline = time.monotonic() + 30
-    while len(timelines := _timelines(client, route="remote")) < 2 and time.monotonic() < deadline:
-        time.sleep(1)
-    assert len(timelines) >= 2, "no timeline lines in the app log"
-    for timeline in timelines[-2:]:
+    for timeline in new_timelines(client, seen, count=2)[-2:]:
         stamps = [timeline.stamps.get(name) for name in order]
         assert None not in stamps, timeline
         assert stamps == sorted(stamps), f"stamps out of order: {timeline.stamps}"
@@ -148,12 +146,6 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
     sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
             if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]
-
-
-def _timelines(client, route: str) -> list[RequestTimeline]:
-    lines = client.app.log_path.read_text(errors="replace").splitlines()
-    found = [RequestTimeline.from_log_line(line) for line in lines if LOG_MARKER in line]
-    return [t for t in found if t is not None and t.route == route]
 
 
 def test_min_tokens_is_disaggregated_and_what_a_prefill_leg_cannot_serve_is_served_by_decode(client, reference):

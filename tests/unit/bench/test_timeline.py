@@ -33,3 +33,23 @@ def test_timeline_report_from_log_lines(tmp_path):
     plan = _schedule(TimelineLoad(cycles=2), "m")
     assert [kind for _, kind, _ in plan] == ["long", "short_during", "short_alone"] * 2
     assert [at for at, _, _ in plan] == sorted(at for at, _, _ in plan)
+
+
+def test_progressive_push_runs_with_the_chunk_size_of_every_mode_and_its_chunk_writes_are_drawn(tmp_path):
+    """bench timeline --mode push-progressive: its config is push's with handoff.progressive, every mode has the same
+    prefill chunk; a request's `streamed` span is drawn over its prefill."""
+    import yaml
+
+    from app.request.timeline import RequestTimeline
+    from bench.timeline import CHUNK_TOKENS, MODES, Sample, TimelineLoad, _config_for, plot_waterfall
+
+    for mode in ("push", "push-progressive"):
+        args = yaml.safe_load(open(_config_for(mode, MODES[mode], TimelineLoad(), tmp_path)))["applications"][0]["args"]
+        assert args["engine_kwargs"]["max_num_batched_tokens"] == CHUNK_TOKENS
+        assert args.get("handoff", {}).get("progressive", False) is (mode == "push-progressive")
+    stamps = {"arrived": 0.0, "decode_received": 0.01, "legs_sent": 0.02, "prefill_queued": 0.03, "prefill_started": 0.05,
+              "first_chunk_landed": 1.0, "prefill_finished": 2.05, "write_started": 2.06, "kv_landed": 2.08,
+              "first_token": 2.2, "first_chunk": 2.21}
+    timeline = RequestTimeline("rdv-1", "push", "remote", True, stamps, chunk_writes=3)
+    assert timeline.stages()["streamed"] == pytest.approx(1.05)
+    assert plot_waterfall([Sample("push-progressive", "long", 2.2, timeline)], tmp_path / "w.png").stat().st_size > 1000

@@ -159,7 +159,8 @@ def test_chunks_are_written_as_they_are_done_and_the_last_write_moves_only_the_r
         _run_tasks(host)
     assert [(k.startswith(CHUNK_KEY), m.local_block_ids, m.remote.block_ids) for k, m in host.posted] == [
         (True, ([10],), ([20],)), (True, ([11, 12],), ([21, 22],))]
-    assert host.posted[0][1].remote.request_id == CHUNK_KEY + "cmpl-rdv-1-0"  # decode takes it aside, not as the completion
+    # Decode takes them aside, not as the completion, and stamps each for the request's timeline by its index.
+    assert [m.remote.request_id for _, m in host.posted] == [CHUNK_KEY + "cmpl-rdv-1-0#0", CHUNK_KEY + "cmpl-rdv-1-0#1"]
     assert host._sending_transfers == {}  # the writer took its chunk handles: vLLM never reaps them as the leg's
     assert writer.before_last_write("cmpl-rdv-1-0", REGISTRATION)
     last = writer.last_write("cmpl-rdv-1-0", _full_write_meta())

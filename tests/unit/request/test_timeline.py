@@ -13,6 +13,7 @@ from ray.llm._internal.serve.core.configs.openai_api_models import CompletionReq
 
 from app.request.timeline import LOG_MARKER, STAGES, RequestTimeline
 from connector.params import STAGES_KEY
+from connector.stages import DecodeKvStamps
 
 REMOTE = {
     "arrived": 100.0, "decode_received": 100.01, "legs_sent": 100.03, "prefill_queued": 100.04,
@@ -137,7 +138,6 @@ def test_decode_sends_its_timeline_before_a_whole_response_and_after_a_stream():
 def test_a_remote_request_whose_kv_never_landed_is_counted_by_why_decode_recomputed_it(failed):
     """The decode engine's failure datagram (connector.stages.KvFailure) reaches the replica before the
     first token (decode recomputes the prompt first): the request counts under that rung."""
-    from connector.stages import DecodeKvStamps
 
     from tests.support.decode_server import decode_server
 
@@ -361,6 +361,28 @@ def test_prefill_tells_decode_when_its_write_starts_and_decode_tells_its_replica
     assert vllm_saw == [b"chatcmpl-rdv-3-abc:1"]  # vLLM's completion notification, and only it
     assert [(s.request_id, s.requested, s.landed) for s in heard] == [("chatcmpl-rdv-3-abc", None, None)]
     assert abs(heard[0].write_started - time.time()) < 60
+
+
+def test_chunk_writes_that_land_are_stamped_and_drawn_as_streamed_over_the_prefill():
+    """Progressive push: decode's worker stamps each chunk WRITE's notification (as vLLM sends it: the id we
+    gave, then the prefill world size); the timeline keeps the earliest landing and counts the chunks, whichever
+    rank's datagram comes first, and `streamed` runs from the first chunk landed to prefill's end."""
+    from connector.stages import chunk_notif_id, parse_chunk_landed
+
+    notifs = [f"{chunk_notif_id('cmpl-rdv-9-0', i)}:3".encode() for i in (1, 0, 2)]
+    stamps = [parse_chunk_landed(n, at) for n, at in zip(notifs, (1.4, 1.2, 1.6))]
+    assert [(s.request_id, s.chunk, s.chunk_landed) for s in stamps] == [
+        ("cmpl-rdv-9-0", 1, 1.4), ("cmpl-rdv-9-0", 0, 1.2), ("cmpl-rdv-9-0", 2, 1.6)]
+    assert parse_chunk_landed(b"rdv-chunk:no-index:1", 1.0) is None
+    assert DecodeKvStamps.from_wire(stamps[0].to_wire()) == stamps[0]
+    timeline = RequestTimeline("rdv-9", "push", "remote", True, {"prefill_started": 1.0, "prefill_finished": 2.0})
+    for s in stamps:
+        timeline.add_decode_kv_stamps(s)
+    assert (timeline.stamps["first_chunk_landed"], timeline.chunk_writes) == (1.2, 3)
+    assert timeline.stages()["streamed"] == pytest.approx(0.8)
+    pulled = RequestTimeline("rdv-9", "pull", "remote", True, dict(timeline.stamps))
+    assert "streamed" not in pulled.stages()
+    assert RequestTimeline.from_log_line(timeline.to_log_line()) == timeline
 
 
 def test_the_replica_finds_its_request_by_the_engine_id():
