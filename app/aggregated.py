@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.config.args import AppArgs
-from app.config.llm_configs import llm_config
+from app.config.llm_configs import ingress_actor_options, llm_config
 from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.ports import Role
 
@@ -61,7 +61,8 @@ def build_aggregated_app(args: dict[str, Any] | AppArgs | None = None):
             "ingress_deployment_config": {
                 "num_replicas": app_args.ingress.replicas,
                 "max_ongoing_requests": app_args.ingress.max_ongoing_requests,
-                "ray_actor_options": {"num_cpus": app_args.ingress.cpus},
+                "max_surge_percent": app_args.ingress.max_surge_percent,
+                "ray_actor_options": ingress_actor_options(app_args.ingress),
             },
         }
     )

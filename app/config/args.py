@@ -89,6 +89,12 @@ class RoleArgs(_Strict):
         description="Custom Ray resources added to each replica's first placement bundle, e.g. {prefill_group: 0.01} "
         "to pin replicas to the Ray nodes (k8s worker group) that offer it.",
     )
+    max_surge_percent: int = Field(
+        0, ge=0, le=100, description="Serve's rolling update of this role (a changed engine setting replaces every "
+        "replica): extra replicas allowed meanwhile, as a percentage of `replicas`. 0 stops an old replica before its "
+        "replacement starts (a one-replica role has none while the new engine loads); above 0 the old ones serve until "
+        "their replacements are ready, which needs room for the extra engines (a spare GPU node). docs/runbook.md.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "RoleArgs":
@@ -155,6 +161,17 @@ class IngressArgs(_Strict):
         "ingress on an engine's node dies with that node and cuts every stream it carries, of every decode replica. "
         "false: wherever Ray finds CPU."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each ingress replica asks for, e.g. {ingress: 0.01} "
+        "with a CPU worker group whose rayStartParams offer `ingress` (docs/runbook.md): the ingress off the head and "
+        "off the engine nodes, so that neither a head restart nor a lost engine node cuts its streams. Not with on_head."
+    )
+    max_surge_percent: int = Field(
+        100, ge=0, le=100, description="Serve's rolling update of the ingress (any app setting replaces every "
+        "replica): extra ingress replicas allowed meanwhile, as a percentage of `replicas`. At 100 each old replica "
+        "serves until its replacement is ready, so a redeploy opens no window without an ingress (a replica is a "
+        "tenth of a CPU); 0 stops the old one first."
+    )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once (Serve's limit; beyond it Serve queues).")
     max_in_flight: int = Field(
         128, ge=1, description="Generation requests (completions, chat) in flight per ingress replica; beyond this "
@@ -180,6 +197,12 @@ class IngressArgs(_Strict):
         "when set, every route but /health and /ready needs `Authorization: Bearer <key>` (401 otherwise). Off by default; the k8s "
         "configs set RENDEZVOUS_API_KEY, filled from a Secret."
     )
+
+    @model_validator(mode="after")
+    def _one_placement(self) -> "IngressArgs":
+        if self.on_head and self.resources:
+            raise ValueError("ingress.resources places the ingress on the nodes that offer them: set on_head: false")
+        return self
 
     @model_validator(mode="after")
     def _deadline_after_slo(self) -> "IngressArgs":

@@ -138,6 +138,7 @@ def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
     config = {
         **replicas,
         "max_ongoing_requests": role_args.max_ongoing_requests,
+        "max_surge_percent": role_args.max_surge_percent,
         "ray_actor_options": actor_options,
     }
     routing = args.routing
@@ -186,8 +187,11 @@ HEAD_NODE_RESOURCE = "node:__internal_head__"
 
 def ingress_actor_options(ingress: IngressArgs) -> dict[str, Any]:
     """Ray actor options of one ingress replica: its CPUs and, ``on_head``, a sliver of the head's
-    own resource, so Ray places it on the head whatever CPU the engine nodes have free."""
+    own resource, so Ray places it on the head whatever CPU the engine nodes have free (or the
+    custom resources it asks for: the nodes of its own)."""
     options: dict[str, Any] = {"num_cpus": ingress.cpus}
     if ingress.on_head:
         options["resources"] = {HEAD_NODE_RESOURCE: 0.001}
+    elif ingress.resources:
+        options["resources"] = dict(ingress.resources)
     return options

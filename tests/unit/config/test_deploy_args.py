@@ -118,7 +118,19 @@ def test_port_plan_must_fit_max_replicas(raw, ok):
 def test_fixed_replicas_give_num_replicas():
     config = deployment_config(AppArgs.parse({"prefill": {"replicas": 3, "max_ongoing_requests": 5}}), Role.PREFILL)
     config.pop("request_router_config")  # test_routers_of_both_roles
-    assert config == {"num_replicas": 3, "max_ongoing_requests": 5, "ray_actor_options": {"num_cpus": 0}}
+    assert config == {"num_replicas": 3, "max_ongoing_requests": 5, "max_surge_percent": 0, "ray_actor_options": {"num_cpus": 0}}
+
+
+def test_a_rolling_update_surges_the_ingress_and_only_the_engine_roles_told_to():
+    """Serve stops an old replica before starting its replacement unless max_surge_percent says otherwise: the
+    ingress (a tenth of a CPU) surges by default, so a redeploy leaves no moment without one; an engine role
+    only where its config says there is room for the extra engines. Serve's own models take the values."""
+    from ray.serve._private.config import DeploymentConfig
+
+    args = AppArgs.parse({"decode": {"max_surge_percent": 50}})
+    assert DeploymentConfig(**deployment_config(args, Role.DECODE)).max_surge_percent == 50
+    assert DeploymentConfig(**deployment_config(args, Role.PREFILL)).max_surge_percent == 0
+    assert args.ingress.max_surge_percent == 100
 
 
 def test_autoscaling_gives_autoscaling_config_instead_of_num_replicas():

@@ -325,6 +325,11 @@ def test_the_ingress_goes_to_the_head_node_unless_told_otherwise():
     assert HEAD_NODE_RESOURCE == HEAD_NODE_RESOURCE_NAME
     assert ingress_actor_options(AppArgs.parse({}).ingress) == {"num_cpus": 0.1, "resources": {HEAD_NODE_RESOURCE: 0.001}}
     assert ingress_actor_options(AppArgs.parse({"ingress": {"on_head": False, "cpus": 0.5}}).ingress) == {"num_cpus": 0.5}
+    # Or on the nodes that offer a resource of its own (a CPU worker group: off the head and the engine nodes).
+    own = AppArgs.parse({"ingress": {"on_head": False, "resources": {"ingress": 0.01}}}).ingress
+    assert ingress_actor_options(own) == {"num_cpus": 0.1, "resources": {"ingress": 0.01}}
+    with pytest.raises(ValueError, match="set on_head: false"):
+        AppArgs.parse({"ingress": {"resources": {"ingress": 0.01}}})
 
 
 # --------------------------------------------------------------------------- node initialization
