@@ -201,6 +201,21 @@ PROFILES: dict[str, Profile] = {
             notes=("3 prompts per point: p90/p99 are close to the maximum; quote cpu-full for percentiles.",),
         ),
         Profile(
+            name="cpu-quick-progressive",
+            description="2-core laptop, embedded SmolLM2-135M, unshaped: progressive push on and off at cpu-quick's "
+            "points, 8 prompts a point, 512-token prefill chunks in both (does progressive cost anything where it "
+            "cannot help?)",
+            configs={Mode.PUSH_PROGRESSIVE: _CPU_CONFIGS[Mode.PUSH], Mode.PUSH: _CPU_CONFIGS[Mode.PUSH]},
+            rates={256: (0.1, 0.25), 1024: (0.1, 0.25)},
+            output_len=32,
+            budget_s=20 * 60,
+            timing=CPU_2CORE,
+            window_s=12,
+            min_prompts=8,
+            max_prompts=8,
+            overrides={"engine_kwargs": {"max_num_batched_tokens": 512}},
+        ),
+        Profile(
             name="cpu-overload-corner",
             description="2-core laptop, embedded SmolLM2-135M: 20 prompts of 1k tokens at 0.5 req/s, past what the box "
             "sustains: every request answered (or refused at arrival), at what throughput against one engine",
