@@ -44,7 +44,7 @@ _COLORS = dict(zip(_SEGMENTS, ["tab:gray", "tab:olive", "tab:cyan", "tab:orange"
                                "tab:red", "tab:pink", "tab:brown", "tab:purple", "tab:green"]))
 _DRAWN_AS_PARTS = {"handoff": ("transfer",), "transfer": ("write_wait", "write")}
 # Drawn over the bars, not after them: it overlaps prefill_compute.
-_OVERLAY, _OVERLAY_COLOR = "streamed", "tab:purple"
+_OVERLAY, _OVERLAY_COLOR = "streamed", "black"
 
 
 @dataclass(frozen=True)
