@@ -62,6 +62,7 @@ def build_aggregated_app(args: dict[str, Any] | AppArgs | None = None):
                 "num_replicas": app_args.ingress.replicas,
                 "max_ongoing_requests": app_args.ingress.max_ongoing_requests,
                 "max_surge_percent": app_args.ingress.max_surge_percent,
+                "graceful_shutdown_timeout_s": app_args.ingress.graceful_shutdown_timeout_s,
                 "ray_actor_options": ingress_actor_options(app_args.ingress),
             },
         }

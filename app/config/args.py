@@ -95,6 +95,12 @@ class RoleArgs(_Strict):
         "replacement starts (a one-replica role has none while the new engine loads); above 0 the old ones serve until "
         "their replacements are ready, which needs room for the extra engines (a spare GPU node). docs/runbook.md.",
     )
+    graceful_shutdown_timeout_s: float = Field(
+        60.0, gt=0, description="A replica Serve replaces or scales away takes no new requests and gets this long to "
+        "finish those it has (Serve's own default is 20 s); then it is killed. Decode: a stream still running then "
+        "ends with an error event (retry it); prefill: decode prefills the cut legs itself. Longer keeps the old "
+        "engine, and with max_surge_percent 0 its accelerator, that much longer in a rollout.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "RoleArgs":
@@ -171,6 +177,12 @@ class IngressArgs(_Strict):
         "replica): extra ingress replicas allowed meanwhile, as a percentage of `replicas`. At 100 each old replica "
         "serves until its replacement is ready, so a redeploy opens no window without an ingress (a replica is a "
         "tenth of a CPU); 0 stops the old one first."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        600.0, gt=0, description="An ingress replica Serve replaces takes no new requests and gets this long to finish "
+        "the responses it carries, then it is killed. A stream still running then is cut without an error event (the "
+        "proxy has sent its status already), so this outlasts any answer the engines produce: the queue deadline plus "
+        "max_model_len tokens at a slow decode step. An idle old replica goes at once."
     )
     max_ongoing_requests: int = Field(256, ge=1, description="Requests one ingress replica holds at once (Serve's limit; beyond it Serve queues).")
     max_in_flight: int = Field(

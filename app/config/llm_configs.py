@@ -139,6 +139,7 @@ def deployment_config(args: AppArgs, role: Role) -> dict[str, Any]:
         **replicas,
         "max_ongoing_requests": role_args.max_ongoing_requests,
         "max_surge_percent": role_args.max_surge_percent,
+        "graceful_shutdown_timeout_s": role_args.graceful_shutdown_timeout_s,
         "ray_actor_options": actor_options,
     }
     routing = args.routing

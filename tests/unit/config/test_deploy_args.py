@@ -118,7 +118,8 @@ def test_port_plan_must_fit_max_replicas(raw, ok):
 def test_fixed_replicas_give_num_replicas():
     config = deployment_config(AppArgs.parse({"prefill": {"replicas": 3, "max_ongoing_requests": 5}}), Role.PREFILL)
     config.pop("request_router_config")  # test_routers_of_both_roles
-    assert config == {"num_replicas": 3, "max_ongoing_requests": 5, "max_surge_percent": 0, "ray_actor_options": {"num_cpus": 0}}
+    assert config == {"num_replicas": 3, "max_ongoing_requests": 5, "max_surge_percent": 0,
+                      "graceful_shutdown_timeout_s": 60.0, "ray_actor_options": {"num_cpus": 0}}
 
 
 def test_a_rolling_update_surges_the_ingress_and_only_the_engine_roles_told_to():
@@ -131,6 +132,9 @@ def test_a_rolling_update_surges_the_ingress_and_only_the_engine_roles_told_to()
     assert DeploymentConfig(**deployment_config(args, Role.DECODE)).max_surge_percent == 50
     assert DeploymentConfig(**deployment_config(args, Role.PREFILL)).max_surge_percent == 0
     assert args.ingress.max_surge_percent == 100
+    # Drained deliberately: a replaced ingress outlasts the streams it carries (a cut there has no error event).
+    assert DeploymentConfig(**deployment_config(args, Role.DECODE)).graceful_shutdown_timeout_s == 60
+    assert args.ingress.graceful_shutdown_timeout_s == 600
 
 
 def test_autoscaling_gives_autoscaling_config_instead_of_num_replicas():
