@@ -3,7 +3,7 @@
 A second app on the same host used to hang: vLLM's NIXL side-channel listener died in its
 thread (``ZMQError: Address already in use``) while the replica stayed "initializing" for
 good. ``app.tools.preflight`` checks every planned port before anything starts; the engine
-backend checks its own side channel before starting its engine (``connector.ray_backend``).
+backend takes the first free block of its role's ports before starting its engine (``connector.ray_backend``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
-import time
+from collections.abc import Iterable
 
 import psutil
 
@@ -49,16 +49,15 @@ class PortBusy(RuntimeError):
     pass
 
 
-def wait_until_free(port: int, host: str, *, what: str, timeout_s: float, period_s: float = 0.5) -> None:
-    """Return once ``host:port`` can be bound; raise :class:`PortBusy` naming the holder
-    after ``timeout_s`` (an engine of a replica being replaced may hold it a few seconds
-    while it dies)."""
-    deadline = time.monotonic() + timeout_s
-    while not is_free(port, host):
-        if time.monotonic() >= deadline:
-            raise PortBusy(
-                f"{what} port {host}:{port} is held by {holder(port)} (still after {timeout_s:.0f} s). "
-                "Another app on this host? End it (`make clean-procs` ends every rendezvous process here) "
-                "or give this app other side-channel ports (args.nixl.prefill_port_base / decode_port_base)."
-            )
-        time.sleep(period_s)
+def first_free_block(bases: Iterable[int], size: int, host: str, *, what: str) -> int:
+    """The first of ``bases`` whose ``size`` ports from it are all free on ``host``; PortBusy naming the holder of
+    the first one if none is."""
+    bases = list(bases)
+    for base in bases:
+        if all(is_free(port, host) for port in range(base, base + size)):
+            return base
+    raise PortBusy(
+        f"{what} port {host}:{bases[0]} is held by {holder(bases[0])}, and every other port of its range too. "
+        "Another app on this host? End it (`make clean-procs` ends every rendezvous process here) "
+        "or give this app other side-channel ports (args.nixl.prefill_port_base / decode_port_base)."
+    )

@@ -48,6 +48,14 @@ class PortPlan:
             )
         return self.base(role) + offset
 
+    def candidates(self, role: Role, replica_rank: int, dp_size: int = 1) -> list[int]:
+        """Base ports a replica may bind, best first: its rank's, then every other block of the role's span.
+        Serve's ranks are not stable: scaled down and up again, a deployment can give a new replica the rank
+        whose port a live replica still binds (and a replaced replica's engine may hold its port a while)."""
+        dp = max(1, dp_size)
+        own = self.port(role, replica_rank, dp)
+        return [own] + [self.base(role) + i * dp for i in range(self.span // dp) if self.base(role) + i * dp != own]
+
     def check_fits(self, role: Role, replicas: int, dp_size: int = 1) -> None:
         """Fail at build time if ``replicas`` replicas cannot all get ports.
 

@@ -42,13 +42,10 @@ from connector.params import (
     push_decode_params,
     push_prefill_params,
 )
-from connector.port_check import wait_until_free
+from connector.port_check import first_free_block, holder
 from connector.ports import make_engine_id
 
 logger = logging.getLogger("ray.serve.rendezvous.connector")
-
-# How long a replica waits for its side-channel port before it fails (connector.port_check).
-_PORT_WAIT_S = 30.0
 
 
 def _endpoint(request: Any) -> str:
@@ -89,12 +86,14 @@ class _RendezvousNixlBackend(BaseConnectorBackend):
         dp_size = int(kwargs.get("data_parallel_size") or 1)
         rank = serve.get_replica_context().rank.rank
         host = ray.util.get_node_ip_address()
-        port = settings.ports.port(role, rank, dp_size)
-        # vLLM's listener thread would die on a taken port and leave the replica starting
-        # for good; fail the replica now instead, naming the holder. An engine of the
-        # replica this one replaces may still hold it for a few seconds.
-        for dp_port in range(port, port + dp_size):
-            wait_until_free(dp_port, host, what=f"{role.value} NIXL side-channel", timeout_s=_PORT_WAIT_S)
+        # vLLM's listener thread would die on a taken port and leave the replica starting for good: take a
+        # free block of the role's ports, the rank's own if it is free (connector.ports.PortPlan.candidates).
+        planned = settings.ports.port(role, rank, dp_size)
+        port = first_free_block(settings.ports.candidates(role, rank, dp_size), dp_size, host,
+                                what=f"{role.value} NIXL side-channel")
+        if port != planned:
+            logger.warning("%s NIXL side channel: port %s:%d (replica rank %d's) is held by %s; using %d",
+                           role.value, host, planned, rank, holder(planned), port)
         env = engine_env(side_channel_host=host, side_channel_port=port, user_env=settings.env,
                          kv_buffer_device=self.kv_transfer_config.get("kv_buffer_device") or "cpu")
         # The one place that writes the engine environment: the engine processes that

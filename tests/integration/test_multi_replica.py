@@ -20,6 +20,7 @@ from collections import Counter
 
 import httpx
 import pytest
+import yaml
 
 from app.tools.procs import BASE_URL
 from bench.engine_metrics import counted_by, delta, scrape, settle, settle_quiet_s
@@ -32,6 +33,7 @@ from tests.integration.cases import (
 )
 from tests.integration.apps import EngineGauges, KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import Conversation, settled_ours, user_text, wait_ours
+from tests.integration.redeploy import SteadyTraffic, deployment_named, redeploy, replica_ids, with_deployment_options
 
 CONFIG = "configs/local-cpu-1p2d.yaml"
 CHUNK_TOKENS = app_args_of(load_config(CONFIG)).engine_kwargs["max_num_batched_tokens"]  # prefill's chunk
@@ -374,3 +376,53 @@ def test_killed_decode_replicas_lose_no_request_and_their_conversation_goes_on(c
     wait_turns_on(client, newcomer, {"replica_gone": gone + 1})
     wait_replaced(client.metrics.url, "Decode", gone={holder, survivor}, count=2)
     assert _decode_lost(client) - lost_before == Counter({"mid_stream": 1, "before_first_chunk": 1})
+
+
+@pytest.mark.slow
+def test_the_app_changed_in_place_under_steady_traffic_loses_no_request(client, reference, log_dir):
+    """An operator's changes to the running app, `serve deploy` of a changed config (docs/runbook.md), while whole
+    and streamed completions and a conversation's turns keep coming. Serve 2.60 hashes an app's args into its code
+    version, so any change there, here an ingress-only setting, replaces every replica: the ingress (beside its
+    successor: ingress.max_surge_percent), then prefill's and each decode's, one at a time. The replica count is an
+    option Serve changes in place (the config's `deployments`): decode 2 -> 1 -> 2. Every request is answered
+    correctly (teacher forcing: batched) or refused with a retryable status and Retry-After, or, a stream, ended by
+    an error event; none is cut or hangs. A conversation whose decode replica went is answered in full
+    (history="replica_gone"), and the app serves on."""
+    raw = yaml.safe_load(open(client.app.config))
+    args = raw["applications"][0]["args"]
+    decode = deployment_named(client.app, "Decode")
+    # Named under `deployments` from this rollout on: the first time Serve 2.60 sees a deployment named there it
+    # rebuilds its actor options and replaces its replicas, and this rollout replaces them anyway (docs/runbook.md).
+    changed = with_deployment_options(
+        with_args(client.app.config, log_dir, name="local-cpu-1p2d-redeployed", ingress={**args.get("ingress", {}), "max_body_bytes": 4 << 20}),
+        log_dir / "redeployed-2.yaml", **{decode: {"num_replicas": 2}})
+    before = settled_ours(client)
+    took = {}
+    with SteadyTraffic("redeploy") as traffic:
+        _wait_for(lambda: min(traffic.count(kind) for kind in ("whole", "stream", "turn")) >= 1, "traffic to flow")
+        took["args (every replica replaced)"] = redeploy(client.app, changed)
+        two = replica_ids(client.app, decode)
+        took["decode 2 -> 1"] = redeploy(client.app, with_deployment_options(changed, log_dir / "redeployed-1.yaml", **{decode: {"num_replicas": 1}}))
+        (kept,) = replica_ids(client.app, decode)
+        took["decode 1 -> 2"] = redeploy(client.app, changed)
+        assert kept in two and kept in replica_ids(client.app, decode), "a replica count change restarted a decode replica"
+        served = traffic.count()
+        _wait_for(lambda: traffic.count() >= served + 3, "requests after the last rollout")
+    outcomes = traffic.outcomes
+    summary = Counter((o.kind, "answered" if o.answered else "retryable" if o.retryable else "LOST") for o in outcomes)
+    print(f"\nrollouts (s): { {k: round(v) for k, v in took.items()} }; requests: {dict(summary)}")
+    lost = [o for o in outcomes if not (o.answered or o.retryable)]
+    assert not lost, [(o.kind, o.status, o.error) for o in lost][:5]
+    answered = [(o.prompt_ids, o.token_ids) for o in outcomes if o.answered]
+    assert len(answered) >= 10, summary
+    gaps = reference.teacher_forcing_gaps(answered)
+    assert all(max(g) <= 1.0 for g in gaps), f"tokens more than 1 nat below the reference argmax: {gaps}"
+    after = wait_ours(client, lambda c: c["conversation_turns", "replica_gone"] > before["conversation_turns", "replica_gone"])
+    assert after["conversation_turns", "replica_gone"] > before["conversation_turns", "replica_gone"], after
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"waited {timeout_s:.0f} s for {what}"
+        time.sleep(1)

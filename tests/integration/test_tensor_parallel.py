@@ -7,7 +7,8 @@ completion notification per producer rank (``pp_size * max(1, P_TP // D_TP)``), 
 aggregates the receive over every decode rank. A share missing when decode starts would change
 the greedy float32 answer, which must stay token-identical to one TP 1 engine.
 
-All four combinations run here, on one node (docs/cluster.md, "Several ranks", on pull into decode
+All four combinations run here, on one node (push from prefill TP 3 with progressive push: each rank WRITEs its
+share of every prefill chunk) (docs/cluster.md, "Several ranks", on pull into decode
 TP 3 across the cluster's namespaces). KV checksums work between the TP sizes too (connector.sum_ranks):
 each decode rank checks the KV-head chunks it got against its senders' sums, and KV written into
 the wrong blocks is caught on every combination."""
@@ -32,11 +33,20 @@ HANDOFF = {"prefill_timeout_s": 20.0, "kv_timeout_s": 30.0, "read_timeout_s": 15
 KV_DEADLINE_S = {"push": HANDOFF["kv_timeout_s"], "pull": HANDOFF["read_timeout_s"]}
 
 
+# Push from three prefill ranks also streams: each rank WRITEs its share of every 512-token chunk (connector.progressive).
+PROGRESSIVE = ("push", 3, 1)
+CHUNK_TOKENS = 512
+
+
 def tp_config(log_dir, mode: str, prefill_tp: int, decode_tp: int) -> str:
-    roles = yaml.safe_load(open(BASE))["applications"][0]["args"]
+    args = yaml.safe_load(open(BASE))["applications"][0]["args"]
     tp = {"prefill": prefill_tp, "decode": decode_tp}
-    return with_args(BASE, log_dir, name=f"tp-{mode}-p{prefill_tp}d{decode_tp}", mode=mode, handoff=HANDOFF, **{
-        role: {**roles[role], "engine_kwargs": {"tensor_parallel_size": tp[role]}} for role in tp if tp[role] > 1})
+    extra = {}
+    if (mode, prefill_tp, decode_tp) == PROGRESSIVE:
+        extra = {"handoff": {**HANDOFF, "progressive": True},
+                 "engine_kwargs": {**args["engine_kwargs"], "max_num_batched_tokens": CHUNK_TOKENS}}
+    return with_args(BASE, log_dir, name=f"tp-{mode}-p{prefill_tp}d{decode_tp}", mode=mode, **{"handoff": HANDOFF, **extra}, **{
+        role: {**args[role], "engine_kwargs": {"tensor_parallel_size": tp[role]}} for role in tp if tp[role] > 1})
 
 
 def _id(combination) -> str:
@@ -78,7 +88,7 @@ def test_answers_are_token_identical_and_the_kv_moves_once_per_rank_pair(tp_clie
     mode, prefill_tp, decode_tp = tp_client.combination
     assert_token_identical(tp_client, reference, CASE_BY_NAME["chat-short"])
     assert_kv_travelled(tp_client, reference, BASE, writer="prefill" if mode == "push" else "decode",
-                        ranks=max(prefill_tp, decode_tp))
+                        ranks=max(prefill_tp, decode_tp), chunk_tokens=CHUNK_TOKENS if tp_client.combination == PROGRESSIVE else None)
     # Checked between TP sizes: blocks moved into their neighbours' slots (test-only `shift`) are caught
     # by every decode rank, decode recomputes, and the answer is still identical. The clean requests
     # above raised no alarm (the fixture counts the log's mismatches at the end).

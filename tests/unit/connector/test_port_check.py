@@ -2,15 +2,13 @@
 
 import os
 import socket
-import threading
-import time
 
 import psutil
 import pytest
 import yaml
 
 from app.tools.preflight import busy_ports, planned_ports, refusal
-from connector.port_check import PortBusy, holder, is_free, wait_until_free
+from connector.port_check import PortBusy, first_free_block, holder, is_free
 
 
 def _listener(host="127.0.0.1") -> socket.socket:
@@ -35,15 +33,17 @@ def test_an_address_that_is_not_on_this_host_is_not_judged_taken():
     assert is_free(22000, "203.0.113.7")  # TEST-NET-3: the engine's own bind reports it
 
 
-def test_waiting_for_a_port_returns_once_it_is_freed_and_fails_naming_the_holder_otherwise():
-    s = _listener()
-    port = s.getsockname()[1]
-    with pytest.raises(PortBusy, match=rf"decode NIXL side-channel port 127.0.0.1:{port} is held by pid {os.getpid()} .*make clean-procs"):
-        wait_until_free(port, "127.0.0.1", what="decode NIXL side-channel", timeout_s=0.2, period_s=0.05)
-    threading.Timer(0.2, s.close).start()
-    started = time.monotonic()
-    wait_until_free(port, "127.0.0.1", what="x", timeout_s=30, period_s=0.05)
-    assert time.monotonic() - started < 25
+def test_the_first_free_block_is_taken_and_none_free_names_the_holder():
+    taken, freed = _listener(), _listener()
+    busy, free = taken.getsockname()[1], freed.getsockname()[1]
+    freed.close()
+    assert first_free_block([busy, free], 1, "127.0.0.1", what="x") == free
+    with pytest.raises(PortBusy, match=rf"decode NIXL side-channel port 127.0.0.1:{busy} is held by pid {os.getpid()} .*make clean-procs"):
+        first_free_block([busy], 1, "127.0.0.1", what="decode NIXL side-channel")
+    with pytest.raises(PortBusy):  # a block of two (DP ranks) needs both free
+        first_free_block([busy - 1], 2, "127.0.0.1", what="x")
+    taken.close()
+    assert first_free_block([busy], 1, "127.0.0.1", what="x") == busy
 
 
 def _config(name: str) -> dict:

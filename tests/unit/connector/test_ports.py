@@ -44,3 +44,12 @@ def test_engine_id_is_readable_and_changes_per_start():
     b = make_engine_id(Role.PREFILL, 1, "10.0.0.5", 20001)
     assert a.startswith("prefill-r1-10.0.0.5-20001-") and a != b
     assert make_engine_id(Role.DECODE, 0, "h", 1, nonce="x") == "decode-r0-h-1-x"
+
+
+def test_a_replica_tries_its_ranks_block_first_then_every_other_block_of_its_role():
+    """Serve's ranks are not stable across scaling: a new replica can be given the rank whose port a live one binds."""
+    plan = PortPlan()
+    candidates = plan.candidates(Role.DECODE, 1, dp_size=2)
+    assert candidates[:3] == [22002, 22000, 22004]
+    assert len(candidates) == plan.span // 2 and len(set(candidates)) == len(candidates)
+    assert all(plan.decode_base <= c < plan.decode_base + plan.span for c in candidates)

@@ -172,3 +172,28 @@ def test_setup_plans_the_side_channel_and_publishes_the_identity(monkeypatch, cl
     identity = PeerIdentity.from_metadata(backend.replica_metadata())
     assert identity == PeerIdentity(engine_id=engine_id, host="10.0.0.9", port=port, tp_size=tp, pp_size=1)
     assert not ray.is_initialized()
+
+
+def test_setup_takes_the_next_free_port_when_its_ranks_is_held(monkeypatch, caplog):
+    """Scaled down and up again, Serve gave a new decode replica the rank whose port the kept replica's engine
+    binds (seen in tests/integration/test_multi_replica.py's rollouts): it takes the next free one and says so."""
+    import socket
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    base = held.getsockname()[1]
+    backend = _backend(NixlPushBackend, {"nixl": {"decode_port_base": base, "prefill_port_base": base - 2000}})
+    settings = EngineSettings.from_dict(backend.llm_config.experimental_configs[SETTINGS_KEY])
+    for key in engine_env(side_channel_host="h", side_channel_port=1, user_env=settings.env):
+        monkeypatch.setenv(key, "before")
+    monkeypatch.setattr(ray_backend.serve, "get_replica_context", lambda: SimpleNamespace(rank=SimpleNamespace(rank=0)))
+    monkeypatch.setattr(ray_backend.ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    try:
+        backend.setup()
+    finally:
+        held.close()
+    port = int(os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"])
+    assert port != base and base < port < base + settings.ports.span
+    assert PeerIdentity.from_metadata(backend.replica_metadata()).port == port
+    assert f"port 127.0.0.1:{base} (replica rank 0's) is held by pid {os.getpid()}" in caplog.text
