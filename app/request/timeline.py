@@ -70,7 +70,8 @@ _REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill
                 "streamed", "write_wait", "write", "read", "first_step"}
 _LOCAL_ONLY = {"local_prefill"}
 # Pull registers nothing: its blocks are allocated after prefill answered, then it READs.
-_MODE_ONLY = {"register": TransferMode.PUSH, "streamed": TransferMode.PUSH, "write_wait": TransferMode.PUSH, "write": TransferMode.PUSH,
+_MODE_ONLY = {"register": TransferMode.PUSH, "streamed": TransferMode.PUSH, "write_wait": TransferMode.PUSH,
+              "write": TransferMode.PUSH,
               "read": TransferMode.PULL}
 
 

@@ -393,16 +393,17 @@ def test_the_app_changed_in_place_under_steady_traffic_loses_no_request(client, 
     decode = deployment_named(client.app, "Decode")
     # Named under `deployments` from this rollout on: the first time Serve 2.60 sees a deployment named there it
     # rebuilds its actor options and replaces its replicas, and this rollout replaces them anyway (docs/runbook.md).
-    changed = with_deployment_options(
-        with_args(client.app.config, log_dir, name="local-cpu-1p2d-redeployed", ingress={**args.get("ingress", {}), "max_body_bytes": 4 << 20}),
-        log_dir / "redeployed-2.yaml", **{decode: {"num_replicas": 2}})
+    ingress_only = with_args(client.app.config, log_dir, name="local-cpu-1p2d-redeployed",
+                             ingress={**args.get("ingress", {}), "max_body_bytes": 4 << 20})
+    changed = with_deployment_options(ingress_only, log_dir / "redeployed-2.yaml", **{decode: {"num_replicas": 2}})
     before = settled_ours(client)
     took = {}
     with SteadyTraffic("redeploy") as traffic:
         _wait_for(lambda: min(traffic.count(kind) for kind in ("whole", "stream", "turn")) >= 1, "traffic to flow")
         took["args (every replica replaced)"] = redeploy(client.app, changed)
         two = replica_ids(client.app, decode)
-        took["decode 2 -> 1"] = redeploy(client.app, with_deployment_options(changed, log_dir / "redeployed-1.yaml", **{decode: {"num_replicas": 1}}))
+        one = with_deployment_options(changed, log_dir / "redeployed-1.yaml", **{decode: {"num_replicas": 1}})
+        took["decode 2 -> 1"] = redeploy(client.app, one)
         (kept,) = replica_ids(client.app, decode)
         took["decode 1 -> 2"] = redeploy(client.app, changed)
         assert kept in two and kept in replica_ids(client.app, decode), "a replica count change restarted a decode replica"
