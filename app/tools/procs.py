@@ -337,14 +337,22 @@ def ray_auth_headers(env: dict[str, str] | None = None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def read_deploy_failure(dashboard_url: str = DASHBOARD_URL) -> str | None:
-    """``deploy_failure`` of the Serve instance behind ``dashboard_url``; None while it cannot be asked."""
+def serve_details(dashboard_url: str = DASHBOARD_URL, env: dict[str, str] | None = None,
+                  timeout_s: float = 5) -> dict | None:
+    """Serve's ``ServeInstanceDetails`` from the dashboard behind ``dashboard_url``, asked with the Ray token ``env``
+    points to (default: this process's); None while it cannot be asked."""
     try:
-        status, raw = _http(f"{dashboard_url}/api/serve/applications/", timeout=5, headers=ray_auth_headers())
+        status, raw = _http(f"{dashboard_url}/api/serve/applications/", timeout=timeout_s, headers=ray_auth_headers(env))
         details = json.loads(raw) if status == 200 else {}
     except (OSError, http.client.HTTPException, ValueError):
         return None
-    return deploy_failure(details) if isinstance(details, dict) else None
+    return details if isinstance(details, dict) else None
+
+
+def read_deploy_failure(dashboard_url: str = DASHBOARD_URL) -> str | None:
+    """``deploy_failure`` of the Serve instance behind ``dashboard_url``; None while it cannot be asked."""
+    details = serve_details(dashboard_url)
+    return deploy_failure(details) if details is not None else None
 
 
 def _joined(cmdline: list[str] | None) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from app.tools.procs import BASE_URL, DASHBOARD_URL, ray_auth_headers
+from app.tools.procs import BASE_URL, DASHBOARD_URL, deploy_failure, ray_auth_headers, serve_details
 from tests.integration.cases import long_text
 
 APP = "rendezvous"
@@ -27,9 +27,9 @@ APP = "rendezvous"
 
 def _app_details(app) -> dict:
     """Serve's view of the app that ``app`` (an AppProcess) runs, asked with its run's Ray token."""
-    r = httpx.get(f"{DASHBOARD_URL}/api/serve/applications/", timeout=30, headers=ray_auth_headers(app.env))
-    r.raise_for_status()
-    return r.json()["applications"][APP]
+    details = serve_details(env=app.env, timeout_s=30)
+    assert details is not None, f"Ray's dashboard at {DASHBOARD_URL} did not answer"
+    return details["applications"][APP]
 
 
 def _rolled_out(details: dict, deployed_after: float) -> bool:
@@ -54,6 +54,7 @@ def redeploy(app, config: str, timeout_s: float = 900) -> float:
                           text=True, env=env)
     assert done.returncode == 0, f"serve deploy {config}: {done.stderr[-2000:]}"
     while not _rolled_out(details := _app_details(app), before):
+        assert (failure := deploy_failure({"applications": {APP: details}})) is None, failure
         assert time.monotonic() - started < timeout_s, f"the rollout of {config} is not done: {json.dumps(details)[:2000]}"
         time.sleep(2)
     return time.monotonic() - started
