@@ -8,9 +8,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from app.request.timeline import LOG_MARKER, RequestTimeline
+from app.request.timeline import RequestTimeline
 from bench.engine_metrics import counted_by, delta, settle
 from bench.profiles import kv_bytes_per_token
+from bench.timeline import read_timelines
 from tests.integration.reference import Generation, ReferenceEngine
 
 MAX_TOKENS = 32
@@ -312,9 +313,7 @@ def _fmt(le: float) -> str:
 
 def logged_timelines(client, route: str = "remote") -> list[RequestTimeline]:
     """The request timelines in the app's log (one line per request, app.request.timeline), oldest first."""
-    lines = client.app.log_path.read_text(errors="replace").splitlines()
-    found = [RequestTimeline.from_log_line(line) for line in lines if LOG_MARKER in line]
-    return [t for t in found if t is not None and t.route == route]
+    return [t for t in read_timelines(client.app.log_path).values() if t.route == route]
 
 
 def new_timelines(client, seen: int, count: int = 1, timeout_s: float = 30) -> list[RequestTimeline]:
