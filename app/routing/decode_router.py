@@ -142,7 +142,8 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
             for rid, r in by_id.items()
         ]
         decision = pick(self._policy, RouteRequest(conversation_id=conversation), snapshots)
-        self._count_tokens(pending_request, decision.replica_id)
+        tokens = self._tokens_sent.tokens_for(pending_request, decode_tokens_of)
+        self._tokens_sent.picked(pending_request, decision.replica_id, tokens)
         count_pick("decode", decision, conversation_holder=decision.replica_id in holders)
         _stamp_pick(pending_request)
         if conversation:
@@ -156,17 +157,6 @@ class LoadAwareDecodeRouter(FIFOMixin, RequestRouter):
                 decision.replica_id, decision.scores, decision.filtered_out, decision.fallback,
             )
         return ranked(decision, by_id)
-
-    def _count_tokens(self, pending_request, replica_id: str) -> None:
-        metadata = getattr(pending_request, "metadata", None)
-        request_id = getattr(metadata, "internal_request_id", None)
-        if request_id is None:
-            return
-        tokens = self._tokens_sent.tokens_of(request_id)  # its first pick was full: picked again
-        if tokens is None:
-            args = getattr(pending_request, "args", None) or ()
-            tokens = decode_tokens_of(args[0]) if args else 0
-        self._tokens_sent.picked(request_id, replica_id, tokens)
 
     def _holders(self, conversation: str, by_id: dict, now: float) -> set[str]:
         holders = set()

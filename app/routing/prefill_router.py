@@ -58,11 +58,8 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
             return []
         now = time.time()
         by_id = {str(r.replica_id): r for r in candidate_replicas}
-        request_id = pending_request.metadata.internal_request_id if pending_request is not None else None
         args = getattr(pending_request, "args", None) or ()
-        tokens = self._tokens_sent.tokens_of(request_id)  # its first pick was full: chosen again
-        if tokens is None:
-            tokens = prompt_tokens_of(args[0]) if args else 0
+        tokens = self._tokens_sent.tokens_for(pending_request, prompt_tokens_of)
         snapshots = [
             snapshot_from_stats(
                 rid, self.replica_queue_len_cache.get(r.replica_id), r.routing_stats, now,
@@ -71,8 +68,7 @@ class LoadAwarePrefillRouter(FIFOMixin, RequestRouter):
             for rid, r in by_id.items()
         ]
         decision = pick(self._policy, RouteRequest(prompt_tokens=tokens), snapshots)
-        if request_id is not None:
-            self._tokens_sent.picked(request_id, decision.replica_id, tokens)
+        self._tokens_sent.picked(pending_request, decision.replica_id, tokens)
         count_pick("prefill", decision)
         if args and getattr(args[0], "request_id", None):
             ahead = next((s.tokens_in_flight for s in snapshots if s.replica_id == decision.replica_id), 0)

@@ -9,7 +9,7 @@ id (a request picked again, after its first pick was full, counts once).
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 from app.request.envelope import DEFAULT_OUTPUT_BUDGET, PROMPT_TOKENS
 
@@ -47,13 +47,21 @@ class SentTokens:
     def as_dict(self) -> dict[str, int]:
         return dict(self._by_replica)
 
-    def tokens_of(self, request_id: str | None) -> int | None:
-        """The tokens a request was counted with at its earlier pick, if it had one."""
-        entry = self._in_flight.get(request_id) if request_id is not None else None
-        return entry[1] if entry else None
+    def tokens_for(self, pending_request: Any, estimate: Callable[[Any], int]) -> int:
+        """What ``pending_request`` (Serve's) counts: as at its earlier pick (that replica was full: it is picked
+        again), else ``estimate`` of the request it carries."""
+        entry = self._in_flight.get(_request_id(pending_request))
+        if entry is not None:
+            return entry[1]
+        args = getattr(pending_request, "args", None) or ()
+        return estimate(args[0]) if args else 0
 
-    def picked(self, request_id: str, replica_id: str, tokens: int) -> None:
-        self.completed(request_id)  # a request picked again counts once
+    def picked(self, pending_request: Any, replica_id: str, tokens: int) -> None:
+        """``pending_request`` goes to ``replica_id``, counted as ``tokens`` until it completes (once if picked again)."""
+        request_id = _request_id(pending_request)
+        if request_id is None:
+            return
+        self.completed(request_id)
         self._in_flight[request_id] = (replica_id, tokens)
         self._by_replica[replica_id] += tokens
         if len(self._in_flight) > _REMEMBERED:  # requests that were picked but never sent
@@ -66,3 +74,8 @@ class SentTokens:
             self._by_replica[replica] -= tokens
             if self._by_replica[replica] <= 0:
                 del self._by_replica[replica]
+
+
+def _request_id(pending_request: Any) -> str | None:
+    """Serve's internal id of a pending request, which its completion is reported by."""
+    return getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
