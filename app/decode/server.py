@@ -50,6 +50,7 @@ from app.config.args import HandoffArgs, PullHistory
 from app.decode.metrics import DecodeMetrics
 from app.decode.serving import DecodeServing
 from app.replica.prompts import load_tokenizer
+from app.replica.serve_logs import serve_log_targets_kept
 from app.replica.warmup import warm_up
 from app.request.deadlines import Deadlines
 from app.request.queue_deadline import engine_has_started
@@ -79,7 +80,8 @@ class DecodeServer(PDDecodeServer):
     ):
         """Every setting comes from the config (``app.builder``); their defaults live in ``app.config.args``."""
         os.environ[STAMPS_PID_ENV] = str(os.getpid())  # before the engine starts: its processes stamp to us
-        await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
+        with serve_log_targets_kept():  # the engine starts here (app.replica.serve_logs)
+            await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
         settings = PlanSettings(
             mode=TransferMode(mode),
             local_prefill_below_tokens=local_prefill_below_tokens,

@@ -565,3 +565,48 @@ def test_ray_node_initialization_downloads_nothing_without_a_mirror():
 
     for model_id in ("/models/SmolLM2-135M-Instruct-v1", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         assert download_model_files(model_id=model_id, mirror_config=None) == model_id
+
+
+def test_the_engines_logging_config_leaves_serves_replica_log_answering(tmp_path, monkeypatch):
+    """What AsyncLLM does in the replica's process (vllm.logger.configure_logging) closes Serve's buffered
+    replica-log handler, which then forgets its file: Serve's controller, recovering replicas after a head
+    restart, reads that file and stops each replica that cannot say (app.replica.serve_logs). Around the
+    engine's start the target is put back, and the replica's records reach the file again."""
+    import logging
+    from logging.handlers import MemoryHandler
+
+    from ray.serve._private.constants import SERVE_LOGGER_NAME
+    from ray.serve._private.logging_utils import get_component_logger_file_path
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    from app.replica.serve_logs import serve_log_targets_kept
+
+    monkeypatch.setattr(ray._private.worker, "_global_node", SimpleNamespace(get_logs_dir_path=lambda: str(tmp_path)))
+    serve_logger = logging.getLogger(SERVE_LOGGER_NAME)
+    handlers, level = list(serve_logger.handlers), serve_logger.level
+    try:
+        def replica_log():
+            target = logging.FileHandler(tmp_path / f"replica_{len(serve_logger.handlers)}.log")
+            buffered = MemoryHandler(1, target=target)
+            serve_logger.handlers[:] = [buffered]
+            return buffered
+
+        buffered = replica_log()
+        configure_logging(LoggingConfig(configure_logging=True))
+        assert buffered.target is None, "vLLM's logging config no longer drops Serve's log target: serve_logs may go"
+        with pytest.raises(AttributeError):  # what the recovering controller got: the replica is stopped
+            get_component_logger_file_path()
+
+        buffered = replica_log()
+        path = buffered.target.baseFilename
+        with serve_log_targets_kept():
+            configure_logging(LoggingConfig(configure_logging=True))
+        assert get_component_logger_file_path() == path.removeprefix(str(tmp_path))
+        serve_logger.setLevel(logging.INFO)
+        serve_logger.info("after the engine started")
+        buffered.flush()
+        assert "after the engine started" in Path(path).read_text()
+    finally:
+        serve_logger.handlers[:] = handlers
+        serve_logger.setLevel(level)
