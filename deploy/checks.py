@@ -168,6 +168,7 @@ def fit_errors(manifests: list[dict[str, Any]], serve_config: dict[str, Any]) ->
     head = Group.from_spec("head", cluster.get("headGroupSpec", {}), head=True)
     workers = [Group.from_spec(g.get("groupName", "?"), g, head=False) for g in cluster.get("workerGroupSpecs") or []]
     errors += _head_errors(head, args)
+    errors += _ingress_group_errors(args, workers)
     placed: dict[Role, Group] = {}
     for role in Role:
         group, role_errors = _place(args, role, [head, *workers])
@@ -212,6 +213,20 @@ def _head_errors(head: Group, args: AppArgs) -> list[str]:
     if devices:
         errors.append(f"head: requests {', '.join(devices)}; the head runs no engine")
     return errors
+
+
+def _ingress_group_errors(args: AppArgs, workers: list[Group]) -> list[str]:
+    """``ingress.resources`` pins the ingress replicas to the worker group that offers them
+    (k8s/components/ingress-group): exactly one must, with CPU for every replica."""
+    keys = set(args.ingress.resources)
+    if not keys:
+        return []
+    offering = [g for g in workers if keys <= {k for k, v in g.offers.items() if v > 0}]
+    if len(offering) != 1:
+        where = ", ".join(g.name for g in offering) or "no worker group"
+        return [f"ingress.resources {sorted(keys)}: offered by {where}; exactly one worker group must offer them "
+                "(k8s/components/ingress-group adds one)"]
+    return []
 
 
 def _place(args: AppArgs, role: Role, groups: list[Group]) -> tuple[Group | None, list[str]]:

@@ -179,3 +179,36 @@ def test_without_gcs_ft_the_head_may_keep_the_ingress():
         config["applications"][0]["args"]["ingress"]["on_head"] = True
 
     assert _errors(no_ft) == []
+
+
+def _with_ingress_group(tmp_path) -> list[dict]:
+    """The gpu-efa overlay with k8s/components/ingress-group added, as a user would add it."""
+    import shutil
+
+    k8s = tmp_path / "k8s"
+    shutil.copytree(REPO / "k8s", k8s)
+    kustomization = k8s / "overlays" / "gpu-efa" / "kustomization.yaml"
+    text = yaml.safe_load(kustomization.read_text())
+    text["components"].append("../../components/ingress-group")
+    kustomization.write_text(yaml.safe_dump(text))
+    return build(k8s / "overlays" / "gpu-efa")
+
+
+def test_the_ingress_group_component_pins_the_ingress_off_the_engine_nodes(tmp_path, monkeypatch):
+    """With the component and ``ingress.resources: {ingress_group: ...}``, the rendering passes the checks and the
+    CRD schema, and the ingress deployment asks for the resource only that group offers; without the component the
+    same config is refused, naming it."""
+    manifests = _with_ingress_group(tmp_path)
+    config = yaml.safe_load(CONFIG.read_text())
+    config["applications"][0]["args"]["ingress"].update(resources={"ingress_group": 0.01}, replicas=2)
+    injected = render_mod.inject_serve_config(manifests, config, "test")
+    assert fit_errors(injected, config) == []
+    assert schema_errors(rayservice(injected)) == []
+    groups = {g["groupName"]: g for g in _spec(injected)["rayClusterConfig"]["workerGroupSpecs"]}
+    assert list(groups)[-1] == "ingress" and "ingress_group" in groups["ingress"]["rayStartParams"]["resources"]
+    deployments = build_serve_app(AppArgs.parse(config["applications"][0]["args"]), monkeypatch)
+    assert deployments["OpenAiIngress"].ray_actor_options["resources"] == {"ingress_group": 0.01}
+
+    without = render_mod.inject_serve_config(copy.deepcopy(list(rendered("gpu-efa", CONFIG))), config, "test")
+    assert any("ingress.resources ['ingress_group']: offered by no worker group" in e and "ingress-group" in e
+               for e in fit_errors(without, config))
