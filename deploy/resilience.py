@@ -125,18 +125,24 @@ def _kuberay_errors(service: dict[str, Any], head: Group) -> list[str]:
 
 
 def _head_restart_errors(spec: dict[str, Any], serve_config: dict[str, Any], args: AppArgs, head: Group) -> list[str]:
+    errors = serve_head_restart_errors(serve_config, args)
+    if head.offers.get("CPU", 0) > 0:
+        errors.append(f"GCS fault tolerance: the head offers Ray {head.offers['CPU']:g} CPUs, so the ingress may still "
+                      "land there; set its rayStartParams num-cpus to \"0\"")
+    if not spec.get("excludeHeadPodFromServeSvc"):
+        errors.append("GCS fault tolerance: excludeHeadPodFromServeSvc is not true, so clients reach the head's proxy "
+                      "and a head restart cuts their connections")
+    return errors
+
+
+def serve_head_restart_errors(serve_config: dict[str, Any], args: AppArgs) -> list[str]:
+    """What in a serve config puts a request's path on the head (Kubernetes, and ``app.tools.cluster up --gcs-ft``)."""
     errors = []
     if args.ingress.on_head:
         errors.append("GCS fault tolerance: ingress.on_head is true, so a head restart still takes the ingress and every "
                       "stream it carries; set it false")
-    if head.offers.get("CPU", 0) > 0:
-        errors.append(f"GCS fault tolerance: the head offers Ray {head.offers['CPU']:g} CPUs, so the ingress may still "
-                      "land there; set its rayStartParams num-cpus to \"0\"")
     location = serve_config.get("proxy_location", EVERY_NODE)
     if location != EVERY_NODE:
         errors.append(f"GCS fault tolerance: proxy_location {location!r}; only {EVERY_NODE} runs proxies on the workers, "
                       "which keep serving while the head restarts")
-    if not spec.get("excludeHeadPodFromServeSvc"):
-        errors.append("GCS fault tolerance: excludeHeadPodFromServeSvc is not true, so clients reach the head's proxy "
-                      "and a head restart cuts their connections")
     return errors

@@ -13,6 +13,11 @@ cluster, half-built or not: every process in its namespaces, the namespaces, vet
 vanished, and ``rejoin NODE`` starts Ray there again with the same resources: Serve places the
 node's replicas on it again. Both read the running cluster's join settings (its auth token and
 run id) from a file ``up`` keeps in the head's temp dir (``join_file``; root only).
+
+``up --gcs-ft`` adds GCS fault tolerance (``cluster_plan``, "gcs_ft"): Redis in a namespace of its own, the
+app deployed without a driver (``serve run --non-blocking``: no process of ours on the head that a head
+restart would end), clients on the decode node's proxy. Then ``kill-node head`` / ``rejoin head`` restart
+the head with the same Redis, and ``app.tools.head_drill`` measures what that costs the traffic.
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import yaml
 
+from app.config.args import AppArgs
 from app.tools.cluster_plan import (
     DEFAULT_PREFIX,
     DEFAULT_SUBNET,
@@ -47,8 +55,12 @@ from app.tools.cluster_plan import (
     worker_group_resources,
 )
 from app.tools.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
+from deploy.resilience import serve_head_restart_errors
 
 DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
+DEFAULT_FT_CONFIG = "configs/local-cpu-2node-ft.yaml"
+# Debian's redis-server, unpacked into the checkout by `make redis` (as promtool is); else one on PATH.
+REDIS_TOOL = REPO / ".tools" / "redis" / "usr" / "bin" / "redis-server"
 RAYSERVICE = REPO / "k8s" / "base" / "rayservice.yaml"  # the worker groups' resources live there
 _STOP_GRACE_S = 120  # app.tools.run's own grace (90 s) plus its sweep
 
@@ -94,9 +106,17 @@ def _run(argv: list[str], **kwargs) -> subprocess.CompletedProcess:
 # --------------------------------------------------------------------------- build and tear down
 
 
-def load_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, link_mbit: float | None = None) -> ClusterPlan:
+def load_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET, link_mbit: float | None = None,
+              gcs_ft: bool = False) -> ClusterPlan:
     resources = worker_group_resources(yaml.safe_load(RAYSERVICE.read_text()))
-    return plan_cluster(resources, prefix=prefix, subnet=subnet, link_mbit=link_mbit)
+    return plan_cluster(resources, prefix=prefix, subnet=subnet, link_mbit=link_mbit, gcs_ft=gcs_ft)
+
+
+def running_plan(prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET) -> ClusterPlan:
+    """The plan of the cluster running now: with GCS fault tolerance if its Redis namespace is there."""
+    redis_namespace = load_plan(prefix, subnet, gcs_ft=True).redis.namespace
+    namespaces = {line.split()[0] for line in _run(["ip", "netns", "list"]).stdout.splitlines() if line.strip()}
+    return load_plan(prefix, subnet, gcs_ft=redis_namespace in namespaces)
 
 
 def _tbf(node: Node) -> dict | None:
@@ -123,44 +143,103 @@ def shaped_out(plan: ClusterPlan, kind: NodeKind) -> tuple[int, int]:
     return (0, 0) if tbf is None else (int(tbf["bytes"]), int(tbf["overlimits"]))
 
 
-def build(plan: ClusterPlan, env: dict[str, str]) -> None:
-    """The network, then Ray on each node (head first). Raises RuntimeError on the first failure;
-    the caller tears down."""
+def build(plan: ClusterPlan, env: dict[str, str], redis_password: str | None = None) -> None:
+    """The network, Redis (GCS fault tolerance), then Ray on each node (head first). Raises RuntimeError on the
+    first failure; the caller tears down."""
     for argv in plan.network_commands():
         _check(argv)
+    if plan.redis is not None:
+        start_redis(plan, env, redis_password)
     for node in plan.nodes:  # head first: the workers join it
-        start_node(plan, node, env)
+        start_node(plan, node, env, redis_password)
         if node.kind is NodeKind.HEAD:
-            _keep_join_env(plan, env)
+            _keep_join_env(plan, env, redis_password)
 
 
-def start_node(plan: ClusterPlan, node: Node, env: dict[str, str]) -> None:
+def start_node(plan: ClusterPlan, node: Node, env: dict[str, str], redis_password: str | None = None) -> None:
     ray = str(Path(sys.executable).with_name("ray"))
-    node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}
+    node_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"} | plan.node_env(node)
     Path(node.rpc_dir).mkdir(parents=True, exist_ok=True)
     node_env["VLLM_RPC_BASE_PATH"] = node.rpc_dir  # the raylet's workers, and so the node's engines, inherit it
     # `ray start` returns once its node has registered with the GCS.
-    _check(in_namespace(node.namespace, plan.ray_start_command(node, ray)), env=node_env,
+    _check(in_namespace(node.namespace, plan.ray_start_command(node, ray, redis_password)), env=node_env,
            start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
     _say(f"ray node {node.kind.value}: {node.ip} in namespace {node.namespace} (logs: {node.temp_dir})")
 
 
+def redis_server() -> tuple[str, dict[str, str]]:
+    """The redis-server binary and the environment it needs (its unpacked libraries, for ``make redis``'s)."""
+    if REDIS_TOOL.exists():
+        libs = sorted(str(p) for p in (REDIS_TOOL.parents[1] / "lib").glob("*-linux-gnu"))
+        return str(REDIS_TOOL), {"LD_LIBRARY_PATH": ":".join(libs)}
+    if found := shutil.which("redis-server"):
+        return found, {}
+    raise RuntimeError("GCS fault tolerance needs redis-server: `make redis` unpacks Debian's into .tools/redis "
+                       "(or apt-get install redis-server)")
+
+
+def start_redis(plan: ClusterPlan, env: dict[str, str], password: str) -> None:
+    """Redis in its own namespace, configured by ``RedisHost.config``; returns once it answers."""
+    redis = plan.redis
+    binary, binary_env = redis_server()
+    data = Path(redis.data_dir)
+    data.mkdir(mode=0o700, parents=True, exist_ok=True)
+    conf = data / "redis.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the password
+    with os.fdopen(fd, "w") as f:
+        f.write(redis.config(password))
+    subprocess.Popen(in_namespace(redis.namespace, [binary, str(conf)]), env={**env, **binary_env}, cwd=data,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not redis_answers(redis.address, password):
+        if time.monotonic() > deadline:
+            log = data / "redis.log"
+            raise RuntimeError(f"Redis did not answer at {redis.address} in 20 s:\n"
+                               f"{log.read_text()[-2000:] if log.exists() else '(no log)'}")
+        time.sleep(0.2)
+    _say(f"redis: {redis.address} in namespace {redis.namespace} (the GCS's store; logs: {redis.data_dir})")
+
+
+def redis_answers(address: str, password: str) -> bool:
+    """Whether Redis at ``address`` takes the password and answers PING (RESP, inline commands)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=2) as s:
+            s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
+            reply = b""
+            while reply.count(b"\r\n") < 2:
+                if not (chunk := s.recv(256)):
+                    break
+                reply += chunk
+    except OSError:
+        return False
+    return reply == b"+OK\r\n+PONG\r\n"
+
+
 def join_file(plan: ClusterPlan) -> Path:
-    """What a node needs to join the running cluster (auth token, run id): kept by ``up``."""
+    """What a node needs to join the running cluster (auth token, run id, Redis password): kept by ``up``."""
     return Path(plan.head.temp_dir) / "rendezvous-join.json"
 
 
-def _keep_join_env(plan: ClusterPlan, env: dict[str, str]) -> None:
+def _keep_join_env(plan: ClusterPlan, env: dict[str, str], redis_password: str | None) -> None:
     path = join_file(plan)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the token is the cluster's password
     with os.fdopen(fd, "w") as f:
-        json.dump({k: env[k] for k in (MARKER, *auth_env("").keys())}, f)
+        json.dump({"env": {k: env[k] for k in (MARKER, *auth_env("").keys())}, "redis_password": redis_password}, f)
+
+
+def process_name(pid: int) -> str:
+    """The process's name as the kernel keeps it (/proc/<pid>/comm: at most 15 characters)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def kill_node(plan: ClusterPlan, kind: NodeKind) -> list[int]:
-    """SIGKILL every process of one node (its raylet, workers, replicas, engines): a lost host.
-    Returns the pids that were there."""
+    """SIGKILL every process of one node (its raylet, workers, replicas, engines; the head's GCS and Serve's
+    controller): a lost host. Returns the pids that were there."""
     namespace, killed = plan.node(kind).namespace, set()
     deadline = time.monotonic() + 20
     # Again until none is left: a process forked while the first signals land was not listed.
@@ -182,8 +261,14 @@ def rejoin(plan: ClusterPlan, kind: NodeKind) -> None:
         raise RuntimeError(f"no namespace {node.namespace}: is the cluster up?")
     if left := running(namespace_pids([node.namespace])):
         raise RuntimeError(f"node {kind.value} still has processes {left}: `python -m app.tools.cluster kill-node {kind.value}` first")
-    env = {**new_run_env(keep_existing=True), **json.loads(join_file(plan).read_text())}
-    start_node(plan, node, env)
+    if kind is NodeKind.HEAD and not plan.gcs_ft:
+        raise RuntimeError("without GCS fault tolerance (up --gcs-ft) a new head starts an empty cluster")
+    if kind is NodeKind.HEAD:
+        # `ray start --head` refuses when this file names its address and some process of this host has that GCS
+        # address on its command line, as every worker raylet here does (a new head pod starts with an empty /tmp).
+        Path(node.temp_dir, "ray_current_cluster").unlink(missing_ok=True)
+    joined = json.loads(join_file(plan).read_text())
+    start_node(plan, node, {**new_run_env(keep_existing=True), **joined["env"]}, joined["redis_password"])
 
 
 def _check(argv: list[str], **kwargs) -> None:
@@ -206,6 +291,8 @@ def teardown(plan: ClusterPlan, run_id: str | None = None) -> list[str]:
         _run(argv)
     for node in plan.nodes:  # its processes are gone: nothing listens on these sockets any more
         shutil.rmtree(node.rpc_dir, ignore_errors=True)
+    if plan.redis is not None:
+        shutil.rmtree(plan.redis.data_dir, ignore_errors=True)  # its config holds the password
     deadline = time.monotonic() + 20  # the kernel removes a deleted namespace's veths a moment later
     while (found := present(plan)) != ([], []) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -228,23 +315,25 @@ def up(plan: ClusterPlan, config: str | None) -> int:
         _say(f"cannot build the cluster: {conflict}")
         return 2
     env = {**new_run_env(keep_existing=True), **auth_env(secrets.token_hex(32))}
+    redis_password = secrets.token_hex(32) if plan.gcs_ft else None
     child: list[subprocess.Popen] = []
+    serving: list[bool] = []
     stopping: list[float] = []
 
     def on_signal(signum, _frame):
-        if not child:  # still building: stop building, tear down
+        if not serving:  # still building: stop building, tear down
             raise KeyboardInterrupt
         if not stopping:
             stopping.append(time.monotonic())
             _say(f"stopping ({signal.Signals(signum).name})")
-        if child[0].poll() is None:
+        if child and child[0].poll() is None:
             child[0].send_signal(signal.SIGINT)  # app.tools.run stops Serve, then sweeps its run
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     keep = False
     try:
-        build(plan, env)
+        build(plan, env, redis_password)
         if plan.link is not None:
             _say(f"links of {' and '.join(n.kind.value for n in plan.shaped_nodes)} shaped to {plan.link.mbit:g} Mbit/s "
                  f"each way (tbf; the head's is not)")
@@ -256,15 +345,26 @@ def up(plan: ClusterPlan, config: str | None) -> int:
                  f"`python -m app.tools.cluster down` removes it")
             return 0
         config = str(Path(config).resolve())  # app.tools.run runs in the repo, the user maybe elsewhere
-        port = urlsplit(base_url_of(yaml.safe_load(Path(config).read_text()) or {})).port
-        _say(f"serving {config} on the cluster: {plan.base_url(port)}/v1 from this host; Ctrl-C stops everything")
-        child.append(subprocess.Popen(
-            in_namespace(plan.head.namespace, [sys.executable, "-m", "app.tools.run", config]),
-            cwd=REPO, env={**env, "RAY_ADDRESS": plan.gcs_address},
-            start_new_session=True,  # a terminal's Ctrl-C reaches app.tools.run once, through us
-        ))
-        threading.Thread(target=_say_when_ready, args=(plan.base_url(port), child[0]), daemon=True).start()
-        code = _wait(child[0], stopping)
+        base = plan.base_url(urlsplit(base_url_of(yaml.safe_load(Path(config).read_text()) or {})).port)
+        _say(f"serving {config} on the cluster: {base}/v1 from this host; Ctrl-C stops everything")
+        driver_env = {**env, "RAY_ADDRESS": plan.gcs_address}
+        if plan.gcs_ft:
+            # No driver of ours stays on the head, where a head restart would end it.
+            deploy_detached(plan, config, driver_env)
+            serving.append(True)
+            threading.Thread(target=_say_when_ready, args=(base, lambda: not stopping), daemon=True).start()
+            while not stopping:
+                time.sleep(0.5)
+            code = 0
+        else:
+            child.append(subprocess.Popen(
+                in_namespace(plan.head.namespace, [sys.executable, "-m", "app.tools.run", config]),
+                cwd=REPO, env=driver_env,
+                start_new_session=True,  # a terminal's Ctrl-C reaches app.tools.run once, through us
+            ))
+            serving.append(True)
+            threading.Thread(target=_say_when_ready, args=(base, lambda: child[0].poll() is None), daemon=True).start()
+            code = _wait(child[0], stopping)
     except RuntimeError as e:
         _say(f"cluster start failed: {e}")
         code = 1
@@ -281,9 +381,20 @@ def up(plan: ClusterPlan, config: str | None) -> int:
     return 1 if left else code
 
 
-def _say_when_ready(base: str, child: subprocess.Popen) -> None:
-    """app.tools.run says when the app is ready at the head's own 127.0.0.1; say where this host reaches it."""
-    while child.poll() is None:
+def deploy_detached(plan: ClusterPlan, config: str, env: dict[str, str], timeout_s: float = 300) -> None:
+    """``serve run --non-blocking CONFIG`` from the head's namespace: it starts Serve (the controller and a proxy
+    on every node, as the config asks), submits the app and exits; the app then lives on without a driver.
+    Ctrl-C of ``up`` removes the whole cluster, app included."""
+    argv = in_namespace(plan.head.namespace, [sys.executable, "-m", "ray.serve.scripts", "run", "--non-blocking", config])
+    done = _run(argv, cwd=REPO, env=env, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"serve run --non-blocking failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
+
+
+def _say_when_ready(base: str, alive: Callable[[], bool]) -> None:
+    """app.tools.run says when the app is ready at the head's own 127.0.0.1 (nothing does, deployed detached);
+    say where this host reaches it."""
+    while alive():
         if (read_readiness(f"{base}/ready") or (None, {}))[1].get("ready"):
             _say(f"ready on the cluster: {base}/v1 (from this host)")
             return
@@ -316,28 +427,36 @@ def main(argv: list[str]) -> int:
         "(docs/cluster.md); up: serve CONFIG on them until Ctrl-C; down: remove a cluster left behind.",
     )
     parser.add_argument("command", choices=["up", "down", "kill-node", "rejoin"])
-    parser.add_argument("config", nargs="?", default=DEFAULT_CONFIG,
-                        help=f"up: serve config (default {DEFAULT_CONFIG}); kill-node, rejoin: prefill or decode")
+    parser.add_argument("config", nargs="?", default=None,
+                        help=f"up: serve config (default {DEFAULT_CONFIG}, with --gcs-ft {DEFAULT_FT_CONFIG}); "
+                        "kill-node, rejoin: prefill or decode, or head with GCS fault tolerance")
     parser.add_argument("--no-app", action="store_true", help="up: start the bare cluster and leave it running")
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="names of namespaces and links: <prefix>-head, ...")
     parser.add_argument("--subnet", default=DEFAULT_SUBNET, help="private IPv4 network for the bridge and nodes")
     parser.add_argument("--link-mbit", type=float, default=None,
                         help="up: shape the prefill and decode nodes' links to this rate, both ways (Linux tbf), so KV "
                         "crosses a link of that rate (docs/cluster.md, 'A shaped link'); default unshaped")
+    parser.add_argument("--gcs-ft", action="store_true",
+                        help="up: GCS fault tolerance on a Redis of the cluster's own (Debian's redis-server; `make "
+                        "redis`), the app deployed without a driver, clients on the decode node's proxy (docs/cluster.md)")
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
         _say("app.tools.cluster needs root (ip netns, veth pairs, a bridge)")
         return 2
     try:
-        plan = load_plan(args.prefix, args.subnet, args.link_mbit)
+        plan = load_plan(args.prefix, args.subnet, args.link_mbit, args.gcs_ft)
     except ValueError as e:
         _say(f"cannot plan the cluster: {e}")
         return 2
+    if args.command != "up":
+        plan = running_plan(args.prefix, args.subnet)
     if args.command == "down":
         return down(plan)
     if args.command in ("kill-node", "rejoin"):
-        if args.config not in (NodeKind.PREFILL.value, NodeKind.DECODE.value):
-            _say(f"{args.command}: name a worker node, prefill or decode (not {args.config!r})")
+        nodes = [k.value for k in NodeKind if k is not NodeKind.HEAD or plan.gcs_ft]
+        if args.config not in nodes:
+            _say(f"{args.command}: name a node, {' or '.join(nodes)} (not {args.config!r}; the head only with "
+                 f"GCS fault tolerance, up --gcs-ft)")
             return 2
         kind = NodeKind(args.config)
         try:
@@ -349,7 +468,21 @@ def main(argv: list[str]) -> int:
             _say(f"{args.command} {kind.value} failed: {e}")
             return 1
         return 0
-    return up(plan, None if args.no_app else args.config)
+    if args.no_app:
+        return up(plan, None)
+    config = args.config or (DEFAULT_FT_CONFIG if args.gcs_ft else DEFAULT_CONFIG)
+    if args.gcs_ft and (why := ft_config_problem(config)) is not None:
+        _say(f"--gcs-ft: {config}: {why}")
+        return 2
+    return up(plan, config)
+
+
+def ft_config_problem(config: str) -> str | None:
+    """Why ``config`` would not outlive a head restart, or None (the rules deploy.checks applies on Kubernetes)."""
+    serve_config = yaml.safe_load(Path(config).read_text()) or {}
+    args = AppArgs.model_validate(serve_config["applications"][0].get("args") or {})
+    problems = serve_head_restart_errors(serve_config, args)
+    return "; ".join(problems) if problems else None
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ KV crosses the veths, as it crosses a network between machines.
 
 The root namespace gets an address on the bridge too, so clients on this host reach the head's
 HTTP proxy; the namespaces have no default route, so nothing leaves the bridge.
+
+With GCS fault tolerance (``gcs_ft``), as ``k8s/components/gcs-ft`` sets it up on Kubernetes: a Redis of its own
+in a fourth namespace (not the head's, so that it outlives the head), the head's GCS keeping its state there, every
+node waiting up to ``GCS_RECONNECT_TIMEOUT_S`` for a GCS that went, the head offering Ray no CPU, and clients
+reaching a worker node's proxy instead of the head's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ DEFAULT_PREFIX = "rdv"
 # one config can pin UCX to it (UCX_NET_DEVICES).
 NS_DEVICE = "eth0"
 GCS_PORT = 6379
+REDIS_PORT = 6379  # in the Redis namespace's own port space
+# KubeRay's value for GCS fault tolerance (Ray's default is 60 s): how long a raylet, and every worker and replica
+# of its node, waits for the GCS to come back before it exits. A head restart must fit in it.
+GCS_RECONNECT_TIMEOUT_S = 600
 # Ray's default, as on the k8s pods; each namespace has its own port space.
 METRICS_PORT = 8080
 # Ray's default object store is 30 % of RAM per node; Serve needs little, and three nodes share one box.
@@ -73,6 +82,35 @@ class Node:
 
 
 @dataclass(frozen=True)
+class RedisHost:
+    """The external store of the GCS's state (``gcs_ft``): a namespace of its own, with no Ray in it."""
+
+    namespace: str
+    host_link: str
+    interface: ipaddress.IPv4Interface
+    data_dir: str  # its config (with the password) and log; removed with the cluster
+
+    @property
+    def address(self) -> str:
+        return f"{self.interface.ip}:{REDIS_PORT}"
+
+    def config(self, password: str) -> str:
+        """redis.conf: this address only, a password, and no persistence: the GCS's state lives as long as
+        this Redis does (a head restart, not a Redis restart, is what it is for)."""
+        return "\n".join([
+            f"bind {self.interface.ip}",
+            f"port {REDIS_PORT}",
+            f"requirepass {password}",
+            'save ""',
+            "appendonly no",
+            f"dir {self.data_dir}",
+            f"logfile {self.data_dir}/redis.log",
+            "daemonize no",
+            "",
+        ])
+
+
+@dataclass(frozen=True)
 class LinkShape:
     """Each worker node's link at ``mbit`` megabits per second, both ways, as a NIC of that rate would be: Linux's
     token bucket filter on both ends of the node's veth pair (egress out of the node in its namespace, egress into
@@ -104,6 +142,17 @@ class ClusterPlan:
     gateway: ipaddress.IPv4Interface  # the root namespace's address on the bridge
     nodes: tuple[Node, ...]
     link: LinkShape | None = None  # None: the veths run as fast as the host copies
+    redis: RedisHost | None = None  # GCS fault tolerance; None: the GCS keeps its state in the head's memory
+
+    @property
+    def gcs_ft(self) -> bool:
+        return self.redis is not None
+
+    @property
+    def client_node(self) -> Node:
+        """The node whose Serve proxy clients reach: the head's, or with GCS fault tolerance a worker's, which
+        outlives the head (as ``excludeHeadPodFromServeSvc`` does on Kubernetes)."""
+        return self.node(NodeKind.DECODE if self.gcs_ft else NodeKind.HEAD)
 
     @property
     def head(self) -> Node:
@@ -117,20 +166,25 @@ class ClusterPlan:
         return f"{self.head.ip}:{GCS_PORT}"
 
     def base_url(self, http_port: int) -> str:
-        """Where Serve's HTTP proxy (on the head, bound to 0.0.0.0) answers clients on this host."""
-        return f"http://{self.head.ip}:{http_port}"
+        """Where Serve's HTTP proxy (``client_node``'s, bound to 0.0.0.0) answers clients on this host."""
+        return f"http://{self.client_node.ip}:{http_port}"
 
     def metrics_url(self, kind: NodeKind) -> str:
         return f"http://{self.node(kind).ip}:{METRICS_PORT}/metrics"
 
     @property
+    def hosts(self) -> list[Node | RedisHost]:
+        """Every namespace's host: the Ray nodes, then Redis."""
+        return [*self.nodes, *([self.redis] if self.redis else [])]
+
+    @property
     def namespaces(self) -> list[str]:
-        return [n.namespace for n in self.nodes]
+        return [h.namespace for h in self.hosts]
 
     @property
     def links(self) -> list[str]:
         """Every link the plan creates in the root namespace."""
-        return [self.bridge, *(n.host_link for n in self.nodes)]
+        return [self.bridge, *(h.host_link for h in self.hosts)]
 
     def network_commands(self) -> list[list[str]]:
         """``ip`` commands that build the network, in order (each fails if its object exists)."""
@@ -139,7 +193,7 @@ class ClusterPlan:
             ["ip", "addr", "add", str(self.gateway), "dev", self.bridge],
             ["ip", "link", "set", self.bridge, "up"],
         ]
-        for n in self.nodes:
+        for n in self.hosts:
             commands += [
                 ["ip", "netns", "add", n.namespace],
                 ["ip", "link", "add", n.host_link, "type", "veth", "peer", "name", NS_DEVICE, "netns", n.namespace],
@@ -175,14 +229,26 @@ class ClusterPlan:
         left in the root namespace (a half-built node) is deleted by name; the bridge last."""
         present_ns, present_links = set(namespaces), set(links)
         commands = [["ip", "netns", "del", ns] for ns in self.namespaces if ns in present_ns]
-        commands += [["ip", "link", "del", n.host_link] for n in self.nodes
+        commands += [["ip", "link", "del", n.host_link] for n in self.hosts
                      if n.host_link in present_links and n.namespace not in present_ns]
         if self.bridge in present_links:
             commands.append(["ip", "link", "del", self.bridge])
         return commands
 
-    def ray_start_command(self, node: Node, ray: str = "ray") -> list[str]:
-        """``ray start`` for ``node``, run inside its namespace (``in_namespace``)."""
+    def node_env(self, node: Node) -> dict[str, str]:
+        """What ``ray start`` on ``node`` needs in its environment beyond the run's: with GCS fault tolerance, the
+        head's GCS finds its store in ``RAY_REDIS_ADDRESS`` (and its state there, after a restart), and every node
+        waits for a GCS that went (``GCS_RECONNECT_TIMEOUT_S``), as KubeRay sets them."""
+        if not self.gcs_ft:
+            return {}
+        env = {"RAY_gcs_rpc_server_reconnect_timeout_s": str(GCS_RECONNECT_TIMEOUT_S)}
+        if node.kind is NodeKind.HEAD:
+            env["RAY_REDIS_ADDRESS"] = self.redis.address
+        return env
+
+    def ray_start_command(self, node: Node, ray: str = "ray", redis_password: str | None = None) -> list[str]:
+        """``ray start`` for ``node``, run inside its namespace (``in_namespace``); the head's takes the Redis
+        password with GCS fault tolerance."""
         common = [
             f"--node-ip-address={node.ip}",
             f"--temp-dir={node.temp_dir}",
@@ -194,7 +260,12 @@ class ClusterPlan:
         ]
         if node.kind is NodeKind.HEAD:
             # No dashboard: `serve run` does not need it, and it costs a few processes on a small box.
-            return [ray, "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false", *common]
+            head = [ray, "start", "--head", f"--port={GCS_PORT}", "--include-dashboard=false", *common]
+            if self.gcs_ft:
+                if not redis_password:
+                    raise ValueError("GCS fault tolerance: the head needs the Redis password")
+                head.append(f"--redis-password={redis_password}")
+            return head
         resources = json.dumps(dict(node.resources), sort_keys=True)
         return [ray, "start", f"--address={self.gcs_address}", *common, f"--resources={resources}"]
 
@@ -227,10 +298,12 @@ def plan_cluster(
     worker_cpus: int = 2,
     temp_root: str = "/tmp",
     link_mbit: float | None = None,
+    gcs_ft: bool = False,
 ) -> ClusterPlan:
     """The cluster's plan. ``worker_resources``: each role's worker group resources (by group
     name ``prefill`` / ``decode``); ``link_mbit``: the worker nodes' link rate (``LinkShape``), or
-    unshaped. Raises ValueError saying why not."""
+    unshaped; ``gcs_ft``: GCS fault tolerance on a Redis of the cluster's own, and a head that offers
+    Ray no CPU (``k8s/components/gcs-ft``). Raises ValueError saying why not."""
     if not _PREFIX.match(prefix):
         raise ValueError(f"prefix {prefix!r}: 1-7 lowercase letters or digits, starting with a letter "
                          f"(interface names are '<prefix>-prefill', at most {_IFNAMSIZ} characters)")
@@ -243,10 +316,14 @@ def plan_cluster(
         raise ValueError(f"subnet {subnet!r}: {e}") from None
     if not net.is_private:
         raise ValueError(f"subnet {subnet}: not a private network; the bridge would shadow real hosts")
-    hosts = list(_first_hosts(net, 1 + len(NodeKind)))
-    if len(hosts) < 1 + len(NodeKind):
-        raise ValueError(f"subnet {subnet}: too small for the bridge and {len(NodeKind)} nodes")
+    wanted = 1 + len(NodeKind) + gcs_ft
+    hosts = list(_first_hosts(net, wanted))
+    if len(hosts) < wanted:
+        raise ValueError(f"subnet {subnet}: too small for the bridge, {len(NodeKind)} nodes"
+                         f"{' and Redis' if gcs_ft else ''}")
     gateway, *addresses = (ipaddress.IPv4Interface(f"{ip}/{net.prefixlen}") for ip in hosts)
+    if gcs_ft:
+        head_cpus = 0  # nothing that asks for CPU lands on the head: it all outlives a head restart
     nodes = tuple(
         Node(
             kind=kind,
@@ -260,7 +337,9 @@ def plan_cluster(
         for kind, address in zip(NodeKind, addresses)
     )
     link = None if link_mbit is None else LinkShape(link_mbit)
-    return ClusterPlan(prefix=prefix, bridge=f"{prefix}-br", gateway=gateway, nodes=nodes, link=link)
+    redis = RedisHost(namespace=f"{prefix}-redis", host_link=f"{prefix}-redis", interface=addresses[-1],
+                      data_dir=f"{temp_root}/{prefix}-redis") if gcs_ft else None
+    return ClusterPlan(prefix=prefix, bridge=f"{prefix}-br", gateway=gateway, nodes=nodes, link=link, redis=redis)
 
 
 def host_conflict(plan: ClusterPlan, taken: Iterable[str]) -> str | None:

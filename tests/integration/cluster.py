@@ -21,6 +21,7 @@ from bench.profiles import kv_bytes_per_token
 from tests.integration.cases import CASE_BY_NAME, assert_kv_travelled, assert_token_identical
 
 CONFIG = "configs/local-cpu-2node.yaml"
+FT_CONFIG = "configs/local-cpu-2node-ft.yaml"  # up --gcs-ft
 HTTP_PORT = 8000  # the config's http_options.port
 
 needs_root = pytest.mark.skipif(
@@ -28,14 +29,15 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None):
-    """Serve ``config`` on a fresh cluster (its worker nodes' links shaped to ``link_mbit``, if given); yields a
-    client: ``post`` and ``http`` to the head's proxy, ``metrics`` over the decode and prefill nodes (decode
-    first: the conversation counters live there), ``plan`` and ``app``."""
-    plan = load_plan(link_mbit=link_mbit)
+def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None, gcs_ft: bool = False):
+    """Serve ``config`` on a fresh cluster (its worker nodes' links shaped to ``link_mbit``, if given; with GCS
+    fault tolerance on a Redis of its own, ``gcs_ft``); yields a client: ``post`` and ``http`` to the proxy
+    clients use (the head's, or with ``gcs_ft`` the decode node's), ``metrics`` over the decode and prefill nodes
+    (decode first: the conversation counters live there), ``plan`` and ``app``."""
+    plan = load_plan(link_mbit=link_mbit, gcs_ft=gcs_ft)
     assert present(plan) == ([], []), f"{present(plan)} left from an earlier run: python -m app.tools.cluster down"
-    app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT),
-                     args=[] if link_mbit is None else ["--link-mbit", f"{link_mbit:g}"])
+    args = ([] if link_mbit is None else ["--link-mbit", f"{link_mbit:g}"]) + (["--gcs-ft"] if gcs_ft else [])
+    app = AppProcess(config, log_dir, how="cluster", base_url=plan.base_url(HTTP_PORT), args=args)
     app.start()
     try:
         app.wait_ready(timeout_s=900)
@@ -55,6 +57,7 @@ def running_cluster(config: str, log_dir: Path, link_mbit: float | None = None):
                 teardown(plan, app.run_id)  # leave the machine clean, then fail below
         assert left == ([], []), f"left behind: {left}\n{app.log_tail()}"
         assert not [n.rpc_dir for n in plan.nodes if Path(n.rpc_dir).exists()], "the nodes' IPC socket directories outlived them"
+        assert not (plan.redis and Path(plan.redis.data_dir).exists()), "Redis's directory (and password) outlived it"
         false_alarms = [line[-200:] for line in app.log_path.open(errors="replace") if "landed wrong" in line]
         assert not false_alarms, f"KV checksums failed on clean traffic: {false_alarms}"
         assert not app.leftovers(), f"processes survived Ctrl-C: {app.leftovers()}\n{app.log_tail()}"

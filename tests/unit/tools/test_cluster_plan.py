@@ -226,3 +226,34 @@ def test_the_cluster_doc_names_only_files_that_exist():
     assert "configs/local-cpu-2node.yaml" in paths
     missing = sorted(p for p in paths if not (REPO / p).exists())
     assert not missing, missing
+
+
+def test_gcs_fault_tolerance_adds_a_redis_namespace_and_moves_clients_off_the_head():
+    p = plan(gcs_ft=True)
+    assert p.gcs_ft and not plan().gcs_ft
+    assert (p.redis.namespace, str(p.redis.interface), p.redis.address) == ("rdv-redis", "10.213.0.5/24", "10.213.0.5:6379")
+    assert p.namespaces == ["rdv-head", "rdv-prefill", "rdv-decode", "rdv-redis"]
+    assert p.links == ["rdv-br", "rdv-head", "rdv-prefill", "rdv-decode", "rdv-redis"]
+    assert ["ip", "netns", "add", "rdv-redis"] in p.network_commands()
+    assert p.base_url(8000) == "http://10.213.0.4:8000"  # the decode node's proxy; the head's outside FT
+    assert p.head.num_cpus == 0  # nothing that asks for CPU lands on the head
+    head, worker = p.node(NodeKind.HEAD), p.node(NodeKind.DECODE)
+    assert p.node_env(head) == {"RAY_gcs_rpc_server_reconnect_timeout_s": "600", "RAY_REDIS_ADDRESS": "10.213.0.5:6379"}
+    assert p.node_env(worker) == {"RAY_gcs_rpc_server_reconnect_timeout_s": "600"}
+    assert plan().node_env(head) == {}
+    assert "--redis-password=pw" in p.ray_start_command(head, redis_password="pw")
+    assert not any(a.startswith("--redis") for a in p.ray_start_command(worker, redis_password="pw"))
+    with pytest.raises(ValueError, match="Redis password"):
+        p.ray_start_command(head)
+    conf = p.redis.config("pw")
+    assert "bind 10.213.0.5" in conf and "requirepass pw" in conf and 'save ""' in conf
+    with pytest.raises(ValueError, match="and Redis"):
+        plan(subnet="10.99.7.0/30", gcs_ft=True)
+
+
+def test_the_ft_config_passes_the_checks_kubernetes_applies_and_the_plain_one_does_not():
+    from app.tools.cluster import ft_config_problem
+
+    assert ft_config_problem(str(REPO / "configs" / "local-cpu-2node-ft.yaml")) is None
+    problems = ft_config_problem(str(CONFIG))
+    assert "ingress.on_head is true" in problems and "proxy_location 'HeadOnly'" in problems
