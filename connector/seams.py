@@ -105,6 +105,7 @@ _RLLM = "ray.llm._internal.serve"
 _PD = f"{_RLLM}.serving_patterns.prefill_decode.pd_server"
 _ROUTER = "ray.serve._private.request_router.request_router"
 _T = "tests/unit/connector/test_upstream_probes.py::"
+_G = "tests/unit/ingress/test_proxy_gate.py::test_before_the_ingress_runs_the_proxy_answers_at_once_with_a_retryable_503"
 T_PUSH = _T + "test_vllm_push_internals_our_overrides_use"
 T_IDLE = _T + "test_vllm_engine_loop_internals_the_idle_wait_relies_on"
 T_PULL = _T + "test_vllm_pull_read_back_internals_we_rely_on"
@@ -482,6 +483,27 @@ SEAMS: list[Seam] = [
          "AsyncLLM applies vLLM's logging dictConfig in the creating process, which closes every handler there",
          snippet="configure_logging_if_needed(vllm_config.logging_config)",
          checked_by=_T + "test_the_engines_logging_config_leaves_serves_replica_log_answering"),
+    # app/ingress/proxy_gate.py: Serve's proxy answers at once while the app's ingress has no replica yet.
+    Seam("ray", "ray.serve._private.constants", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "import",
+         ("app/ingress/proxy_gate.py",), "the variable (PROXY_ENV) naming the callback whose middlewares every proxy "
+         "wraps its ASGI app in", snippet='"RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", None', checked_by=_G),
+    Seam("ray", "ray.serve._private.proxy", "ProxyActor", "behaviour", ("app/ingress/proxy_gate.py",),
+         "each proxy (an actor class: its module's source is read) applies the callback's middlewares around its HTTPProxy, the innermost app",
+         snippet="self._http_options = configure_http_middlewares(http_options)", checked_by=_G),
+    Seam("ray", "ray.serve._private.proxy:HTTPProxy", "proxy_router", "instance", ("app/ingress/proxy_gate.py",),
+         "the gate finds the route table under the app it wraps; without it the gate steps aside (logged)",
+         silent=True, checked_by=_G),
+    Seam("ray", "ray.serve._private.http_util:RequestIdMiddleware", "_app", "instance", ("app/ingress/proxy_gate.py",),
+         "Serve's own first middleware, between the gate and the HTTPProxy", silent=True, checked_by=_G),
+    Seam("ray", "ray.serve._private.proxy_router:ProxyRouter", "match_route", "method", ("app/ingress/proxy_gate.py",),
+         "(route, handle, is_cross_language) for a path, as the proxy itself routes it",
+         snippet="self.handles[endpoint],", checked_by=_G),
+    Seam("ray", "ray.serve._private.proxy_router:ProxyRouter", "ready_for_traffic", "method", ("app/ingress/proxy_gate.py",),
+         "with is_head=True: false only until the first route table (no app deployed yet)",
+         snippet="if not self._route_table_populated:", checked_by=_G),
+    Seam("ray", "ray.serve.handle:_DeploymentHandleBase", "running_replicas_populated", "method",
+         ("app/ingress/proxy_gate.py",), "whether the proxy's handle has seen a running replica (true from then on)",
+         checked_by=_G),
     Seam("ray", "ray.serve._private.constants", "RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", "import",
          ("bench/engine_metrics.py",), "Serve re-sets its replica-health gauge this often (an environment variable)",
          snippet='"RAY_SERVE_STATUS_GAUGE_REPORT_INTERVAL_S", 10.0'),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from app.ingress.proxy_gate import PROXY_ENV
 from connector.port_check import is_free
 
 MARKER = "RENDEZVOUS_RUN_ID"
@@ -43,8 +44,10 @@ RAY_SESSION = Path("/tmp/ray/session_latest")  # the local Ray cluster's session
 
 def new_run_env(base: dict[str, str] | None = None, *, keep_existing: bool = False) -> dict[str, str]:
     """``base`` (default: this process's environment) with a run marker; with
-    ``keep_existing`` an inherited marker is kept, so a caller can track the run."""
+    ``keep_existing`` an inherited marker is kept, so a caller can track the run. Ray started
+    with it installs ``app.ingress.proxy_gate`` in every Serve proxy (unless ``base`` says otherwise)."""
     env = dict(os.environ if base is None else base)
+    env |= {k: v for k, v in PROXY_ENV.items() if k not in env}
     if not (keep_existing and env.get(MARKER)):
         env[MARKER] = uuid.uuid4().hex
     return env
@@ -208,9 +211,12 @@ class AppProcess:
     def wait_ready(self, timeout_s: float = 900) -> None:
         """Until ``/ready`` answers 200 (the disaggregated app; ``/v1/models`` where there is
         no ``/ready``: the aggregated baseline), then one tiny request proves the path.
-        ``readiness_seen`` keeps the statuses ``/ready`` gave on the way, in order."""
+        ``readiness_seen`` keeps the statuses ``/ready`` gave on the way, in order; ``readiness_unanswered``
+        the seconds (since the wait began) of each poll after the first answer that got none within 5 s."""
         self.readiness_seen: list[int] = []
-        deadline = time.monotonic() + timeout_s
+        self.readiness_unanswered: list[float] = []
+        started = time.monotonic()
+        deadline = started + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"app exited with {self.proc.returncode} before ready:\n{self.log_tail()}")
@@ -221,6 +227,8 @@ class AppProcess:
                 status = (read_readiness(f"{self.base_url}/ready") or (None,))[0]
                 if status is not None and (not self.readiness_seen or self.readiness_seen[-1] != status):
                     self.readiness_seen.append(status)
+                elif status is None and self.readiness_seen:
+                    self.readiness_unanswered.append(round(time.monotonic() - started, 1))
                 if status is None:  # no readiness route (yet, or at all): models are listed before replicas are up
                     status = _http_status(f"{self.base_url}/v1/models", timeout=5)
                 if status == 200:

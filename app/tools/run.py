@@ -110,9 +110,12 @@ def _say_when_ready(config: str, child: subprocess.Popen, gave_up: list[str], pe
                 file=sys.stderr, flush=True,
             )
             return
-        if body is not None and (body.get("decode"), body.get("prefill")) != last:
-            last = (body.get("decode"), body.get("prefill"))
-            print(f"[rendezvous] starting: decode {last[0]}; prefill {last[1]}", file=sys.stderr, flush=True)
+        # Before an ingress replica runs, Serve's proxy answers for it (app.ingress.proxy_gate): "ingress".
+        state = None if body is None else (
+            f"ingress {body['ingress']}" if "ingress" in body else f"decode {body.get('decode')}; prefill {body.get('prefill')}")
+        if state is not None and state != last:
+            last = state
+            print(f"[rendezvous] starting: {state}", file=sys.stderr, flush=True)
         # No ingress answering: Serve may have given up on the app before it had one (code that does not import).
         failed = read_deploy_failure() if body is None else None
         if failed is not None or (body is not None and body.get("failure") and body["failure"] != failure):

@@ -18,6 +18,7 @@ import yaml
 
 from app.config.args import Accelerator, AppArgs
 from app.config.llm_configs import deployment_config, placement_group_config
+from app.ingress.proxy_gate import PROXY_ENV
 from connector.ports import PortPlan, Role
 from deploy import render as render_mod
 from deploy.checks import (
@@ -438,9 +439,10 @@ def test_deploy_stays_pure(rel):
 
 
 @pytest.mark.parametrize("overlay, config", PAIRS)
-def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
+def test_every_pod_gets_the_api_key_the_config_names_and_the_proxy_gate(overlay, config):
     """ingress.api_key_env: any pod may host an ingress replica, so every container gets the
-    variable, from the Secret docs/deploy-eks.md says to create."""
+    variable, from the Secret docs/deploy-eks.md says to create. Any pod may run a proxy, so every
+    one installs the starting gate (app.ingress.proxy_gate)."""
     (application,) = yaml.safe_load(config.read_text())["applications"]
     name = AppArgs.parse(application["args"]).ingress.api_key_env
     assert name, f"{config}: the k8s configs turn bearer auth on"
@@ -449,6 +451,7 @@ def test_every_pod_gets_the_api_key_the_config_names(overlay, config):
     for group in groups:
         env = {e["name"]: e for e in group["template"]["spec"]["containers"][0].get("env", [])}
         assert env[name]["valueFrom"]["secretKeyRef"] == {"name": "rendezvous-api-key", "key": "api-key"}
+        assert {k: env.get(k, {}).get("value") for k in PROXY_ENV} == PROXY_ENV, group.get("groupName", "head")
 
 
 @pytest.mark.parametrize("overlay, config", PAIRS)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from app.config.args import AppArgs
+from app.ingress.proxy_gate import PROXY_ENV
 from deploy import render as render_mod
 from deploy.checks import Group, fit_errors
 from deploy.render import build
@@ -206,6 +207,8 @@ def test_the_ingress_group_component_pins_the_ingress_off_the_engine_nodes(tmp_p
     assert schema_errors(rayservice(injected)) == []
     groups = {g["groupName"]: g for g in _spec(injected)["rayClusterConfig"]["workerGroupSpecs"]}
     assert list(groups)[-1] == "ingress" and "ingress_group" in groups["ingress"]["rayStartParams"]["resources"]
+    env = {e["name"]: e.get("value") for e in groups["ingress"]["template"]["spec"]["containers"][0]["env"]}
+    assert PROXY_ENV.items() <= env.items(), "its proxies answer at once while the ingress starts (proxy_gate)"
     deployments = build_serve_app(AppArgs.parse(config["applications"][0]["args"]), monkeypatch)
     assert deployments["OpenAiIngress"].ray_actor_options["resources"] == {"ingress_group": 0.01}
 

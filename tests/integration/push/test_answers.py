@@ -190,8 +190,11 @@ def test_health_route(client):
 
 def test_ready_said_503_while_the_engines_started_and_200_before_the_first_request(client):
     """Readiness (app.ingress.readiness): the start-up (apps.running_app's wait_ready polls /ready) saw 503,
-    then 200, and nothing else; `make serve` said so in one line, after both engines warmed up."""
+    then 200, and nothing else; from the proxy's first answer on, every poll was answered (before the ingress
+    replica ran, by the proxy: app.ingress.proxy_gate); `make serve` said so in one line, after both engines
+    warmed up."""
     assert client.app.readiness_seen == [503, 200], client.app.readiness_seen
+    assert client.app.readiness_unanswered == [], "seconds into the start at which /ready hung or was not ours"
     r = client.http.get("/ready")
     assert r.status_code == 200 and r.json() == {
         "ready": True, "mode": "push", "decode": "1/1 replicas ready", "prefill": "1/1 replicas ready",
