@@ -483,6 +483,13 @@ SEAMS: list[Seam] = [
          "AsyncLLM applies vLLM's logging dictConfig in the creating process, which closes every handler there",
          snippet="configure_logging_if_needed(vllm_config.logging_config)",
          checked_by=_T + "test_the_engines_logging_config_leaves_serves_replica_log_answering"),
+    # app/ingress/readiness.py (SERVING): the replica states, as serve.status() spells them, in which a replica serves.
+    Seam("ray", "ray.serve._private.common:ReplicaState", "RECOVERING", "attribute", ("app/ingress/readiness.py",),
+         "a replica the controller re-attaches after a head restart: it serves on, so /ready stays 200",
+         snippet='RECOVERING = "RECOVERING"', silent=True),
+    Seam("ray", "ray.serve._private.common:ReplicaState", "PENDING_MIGRATION", "attribute",
+         ("app/ingress/readiness.py",), "a replica on a draining node: Serve's routers still send to it",
+         snippet='PENDING_MIGRATION = "PENDING_MIGRATION"', silent=True),
     # app/ingress/proxy_gate.py: Serve's proxy answers at once while the app's ingress has no replica yet.
     Seam("ray", "ray.serve._private.constants", "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "import",
          ("app/ingress/proxy_gate.py",), "the variable (PROXY_ENV) naming the callback whose middlewares every proxy "

@@ -30,7 +30,10 @@ logger = logging.getLogger("ray.serve." + __name__)
 # Deployment name prefixes (app.builder names the deployments with them).
 DECODE_PREFIX = "Decode:"
 PREFILL_PREFIX = "Prefill:"
-RUNNING = "RUNNING"  # Serve's ReplicaState value of a replica that serves
+# Serve's ReplicaState values of a replica that serves: RUNNING, and two states of one that was running and still is:
+# RECOVERING (a controller restarted with the head, GCS fault tolerance, re-attaching it: seconds after the head's
+# return, with nothing wrong), and PENDING_MIGRATION (its node drains; it serves until its replacement runs).
+SERVING = ("RUNNING", "RECOVERING", "PENDING_MIGRATION")
 GAVE_UP = "DEPLOY_FAILED"  # Serve's DeploymentStatus once replicas failed to start too often
 # In a start failure's text once Serve stopped retrying (make serve then stops the app).
 GAVE_UP_TEXT = "failed to start; Serve gave up"
@@ -124,7 +127,7 @@ def replicas_by_role(replica_states: dict[str, dict[str, int]]) -> tuple[Replica
         role = DECODE_PREFIX if name.startswith(DECODE_PREFIX) else PREFILL_PREFIX if name.startswith(PREFILL_PREFIX) else None
         if role is None:
             continue
-        running = int(states.get(RUNNING, 0))
+        running = sum(int(states.get(state, 0)) for state in SERVING)
         total = sum(int(n) for n in states.values())
         before = found.get(role, Replicas(0, 0))
         found[role] = Replicas(before.running + running, before.total + total)

@@ -55,6 +55,17 @@ def test_replicas_are_counted_by_role_from_serves_states():
     assert replicas_by_role({"OpenAiIngress": {"RUNNING": 1}}) == (None, None)
 
 
+@pytest.mark.parametrize("state, serving", [
+    ("RUNNING", True),
+    ("RECOVERING", True),  # a controller back after a head restart re-attaches it: it never stopped serving
+    ("PENDING_MIGRATION", True),  # its node drains: it serves until its replacement runs
+    ("STARTING", False), ("UPDATING", False), ("STOPPING", False),
+])
+def test_a_replica_counts_as_ready_in_each_state_in_which_it_serves(state, serving):
+    decode, _ = replicas_by_role({"Decode:m": {state: 1}})
+    assert decide("push", decode, Replicas(1, 1), True).ready is serving
+
+
 _PORT_BUSY = ("A replica failed to start with exception. Retrying 2 more time(s). Error:\nTraceback (most recent call last):\n"
               "  File \"connector/port_check.py\", line 60, in wait_until_free\n"
               "connector.port_check.PortBusy: decode NIXL side-channel port 10.0.0.5:22000 is held by pid 77 (VLLM::EngineCore)\n")
