@@ -17,7 +17,7 @@ run id) from a file ``up`` keeps in the head's temp dir (``join_file``; root onl
 ``up --gcs-ft`` adds GCS fault tolerance (``cluster_plan``, "gcs_ft"): Redis in a namespace of its own, the
 app deployed without a driver (``serve run --non-blocking``: no process of ours on the head that a head
 restart would end), clients on the decode node's proxy. Then ``kill-node head`` / ``rejoin head`` restart
-the head with the same Redis, and ``app.tools.head_drill`` measures what that costs the traffic.
+the head with the same Redis, and ``app.tools.drill`` measures what that costs the traffic.
 """
 
 from __future__ import annotations

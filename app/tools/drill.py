@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.tools.cluster import kill_node, namespace_pids, process_name, rejoin, running_plan
 from app.tools.cluster_plan import ClusterPlan, NodeKind, in_namespace
 from app.tools.procs import running
-from prometheus_client.parser import text_string_to_metric_families
 
 ENGINE_PROCESS = "VLLM::EngineCor"  # vLLM's engine core process title, as /proc/<pid>/comm cuts it
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
