@@ -229,14 +229,6 @@ def _keep_join_env(plan: ClusterPlan, env: dict[str, str], redis_password: str |
         json.dump({"env": {k: env[k] for k in (MARKER, *auth_env("").keys())}, "redis_password": redis_password}, f)
 
 
-def process_name(pid: int) -> str:
-    """The process's name as the kernel keeps it (/proc/<pid>/comm: at most 15 characters)."""
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
 def kill_node(plan: ClusterPlan, kind: NodeKind) -> list[int]:
     """SIGKILL every process of one node (its raylet, workers, replicas, engines; the head's GCS and Serve's
     controller): a lost host. Returns the pids that were there."""

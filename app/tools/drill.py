@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.tools.cluster import kill_node, namespace_pids, process_name, rejoin, running_plan
+from app.tools.cluster import kill_node, namespace_pids, rejoin, running_plan
 from app.tools.cluster_plan import ClusterPlan, NodeKind, in_namespace
-from app.tools.procs import running
+from app.tools.procs import process_environ, process_name, running
 
 ENGINE_PROCESS = "VLLM::EngineCor"  # vLLM's engine core process title, as /proc/<pid>/comm cuts it
 PROMPT = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -103,7 +103,7 @@ def kill_gcs(plan: ClusterPlan) -> SavedProcess:
     proc = Path(f"/proc/{pid}")
     saved = SavedProcess(
         argv=[a.decode() for a in proc.joinpath("cmdline").read_bytes().split(b"\0") if a],
-        env=dict(kv.decode().split("=", 1) for kv in proc.joinpath("environ").read_bytes().split(b"\0") if b"=" in kv),
+        env=process_environ(pid),
         cwd=os.readlink(proc / "cwd"),
     )
     os.kill(pid, signal.SIGKILL)

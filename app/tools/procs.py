@@ -58,18 +58,23 @@ def rpc_dir_prefix(run_id: str) -> str:
     return f"rendezvous-rpc-{run_id[:8]}-"
 
 
-def _marker_of(pid: int) -> str | None:
-    """The run marker in ``pid``'s initial environment. Read by hand, not with psutil's
-    ``Process.environ()``: Ray's processes set their title (setproctitle), which overwrites
-    the start of that block with NULs, and psutil stops reading at the first empty entry."""
+def process_environ(pid: int) -> dict[str, str]:
+    """``pid``'s initial environment ({} if it is gone). Read by hand, not with psutil's ``Process.environ()``:
+    Ray's processes set their title (setproctitle), which overwrites the start of that block with NULs, and
+    psutil stops reading at the first empty entry."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
-        return None
-    for item in raw.split(b"\0"):
-        if item.startswith(MARKER.encode() + b"="):
-            return item.split(b"=", 1)[1].decode()
-    return None
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw.split(b"\0") if b"=" in item)
+
+
+def process_name(pid: int) -> str:
+    """The process's name as the kernel keeps it (/proc/<pid>/comm: at most 15 characters)."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def find_processes(run_id: str | None) -> list[int]:
@@ -80,7 +85,7 @@ def find_processes(run_id: str | None) -> list[int]:
     skip = {me.pid} | {p.pid for p in me.parents() if p.pid > 1}
     pids = []
     for pid in psutil.pids():
-        if pid not in skip and (marker := _marker_of(pid)) is not None and (run_id is None or marker == run_id):
+        if pid not in skip and (marker := process_environ(pid).get(MARKER)) is not None and (run_id is None or marker == run_id):
             pids.append(pid)
     return pids
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from app.tools.cluster import namespace_pids, process_name
+from app.tools.cluster import namespace_pids
 from app.tools.cluster_plan import NodeKind
 from app.tools.drill import all_replicas_healthy, run_drill
-from app.tools.procs import running
+from app.tools.procs import process_name, running
 from tests.integration.apps import with_args
 from tests.integration.cases import CASE_BY_NAME, assert_token_identical
 from tests.integration.cluster import CONFIG, FT_CONFIG, assert_kv_crosses_the_nodes, needs_root, running_cluster
