@@ -16,7 +16,7 @@ def healthy_replicas(metrics_url: str, deployment: str, timeout_s: float = 60) -
     export a few seconds after the controller's gauge)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        samples = scrape(metrics_url)
+        samples = scrape(metrics_url, "ray_serve_deployment_replica_")
         healthy = {
             labels["replica"] for name, labels, value in samples
             if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
@@ -46,5 +46,5 @@ def wait_replaced(metrics_url: str, deployment: str, gone: set[str], count: int,
     while len(healthy := set(healthy_replicas(metrics_url, deployment, timeout_s=10)) - gone) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve did not replace {sorted(gone)} of {deployment}: healthy {sorted(healthy)}")
-        time.sleep(5)
+        time.sleep(1)
     return healthy

@@ -50,6 +50,7 @@ from app.config.args import HandoffArgs, PullHistory
 from app.decode.metrics import DecodeMetrics
 from app.decode.serving import DecodeServing
 from app.replica.prompts import load_tokenizer
+from app.replica import heartbeat
 from app.replica.serve_logs import serve_log_targets_kept
 from app.replica.warmup import warm_up
 from app.request.deadlines import Deadlines
@@ -79,6 +80,7 @@ class DecodeServer(PDDecodeServer):
         **kwargs,
     ):
         """Every setting comes from the config (``app.builder``); their defaults live in ``app.config.args``."""
+        heartbeat.start()
         os.environ[STAMPS_PID_ENV] = str(os.getpid())  # before the engine starts: its processes stamp to us
         with serve_log_targets_kept():  # the engine starts here (app.replica.serve_logs)
             await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)

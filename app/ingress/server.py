@@ -37,6 +37,7 @@ from vllm.exceptions import VLLMClientError
 from app.config.args import IngressArgs
 from app.ingress import metrics
 from app.ingress.readiness import RETRY_AFTER_S, ReadinessProbe
+from app.replica import heartbeat
 from app.request.envelope import (
     CONVERSATION_HEADER,
     CONVERSATION_ID_PATTERN,
@@ -295,6 +296,10 @@ async def ending_with_an_error_event(chunks: AsyncIterator[str | bytes], path: s
 
 
 class Ingress(OpenAiIngress):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        heartbeat.start()  # app.replica.heartbeat: how fresh this replica's metrics are
+
     async def health(self) -> dict:
         return {"status": "ok"}
 

@@ -15,6 +15,7 @@ from typing import Any
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDPrefillServer
 
 from app.replica.prompts import load_tokenizer, prompt_token_ids
+from app.replica import heartbeat
 from app.replica.serve_logs import serve_log_targets_kept
 from app.replica.warmup import warm_up
 from app.request.deadlines import SoloLegs
@@ -35,6 +36,7 @@ class PrefillServer(PDPrefillServer):
     flight here) and what its engine takes to compute a prompt (``app.request.deadlines``): a :class:`PrefillLoad`."""
 
     async def __init__(self, llm_config, **kwargs):
+        heartbeat.start()
         with serve_log_targets_kept():  # the engine starts here (app.replica.serve_logs)
             await super().__init__(llm_config, **kwargs)
         self._load = PrefillLoad(load_tokenizer(llm_config))

@@ -242,7 +242,7 @@ class AppProcess:
                         return
             except (OSError, http.client.HTTPException):  # refused, reset, timed out, cut short
                 pass
-            time.sleep(3)
+            time.sleep(1)
         raise TimeoutError(f"app not ready after {timeout_s} s:\n{self.log_tail()}")
 
     def interrupt(self, timeout_s: float = 180) -> int:

@@ -155,7 +155,7 @@ class EngineGauges:
     def _watch(self) -> None:
         while not self._stop.wait(0.5):
             try:
-                snap = self.client.metrics.snapshot()
+                snap = self.client.metrics.snapshot(*IDLE_GAUGES)
             except httpx.HTTPError:
                 continue
             for role in self.roles:
@@ -173,7 +173,7 @@ class EngineGauges:
         is what it took on top of this. An earlier step can leave blocks held until their own deadline: a
         request registered with a prefill engine that was killed keeps its blocks until the registration's
         expiry, sized to the work that was queued (connector.push_deadline; docs/runbook.md)."""
-        snap = self.client.metrics.snapshot()
+        snap = self.client.metrics.snapshot("kv_cache_usage_perc")
         return {role: float(snap.get(role, {}).get("kv_cache_usage_perc", 0.0)) for role in self.roles}
 
     def wait_idle(self, timeout_s: float, kv_held_before: dict[str, float] | None = None) -> None:

@@ -265,7 +265,7 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
     deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
     while counted() < before + 1:
         assert time.monotonic() < deadline, "the mismatch was not counted as prefill=kv_mismatch"
-        time.sleep(2)
+        time.sleep(1)
     assert counted() == before + 1
     deadline = time.monotonic() + 10
     while client.kv_mismatches_logged() < client.kv_faults_injected:
@@ -291,7 +291,7 @@ def answered_under_fault(client, ref: ReferenceEngine, case: Case, fault: str, c
     deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
     while (grown := paths() - before)[counted_as] < 1:
         assert time.monotonic() < deadline, f"{fault}: not counted as {counted_as}: {dict(grown)}"
-        time.sleep(2)
+        time.sleep(1)
     return grown, took
 
 

@@ -62,7 +62,7 @@ def ours(client) -> Counter:
     """Our conversation counters summed over replicas: (metric, label value) -> total;
     and, per replica, the turns it served: ("replica", replica id) -> turns."""
     totals = Counter()
-    for name, labels, value in scrape(client.metrics.url):
+    for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_conversation"):
         if not name.startswith("ray_rendezvous_conversation"):
             continue
         label = labels.get("history") or labels.get("kind") or labels.get("direction") or ""

@@ -57,7 +57,7 @@ _HANDLED = ("ray_serve_deployment_request_counter_total", "ray_serve_deployment_
 def handled_by_replica(client, deployment: str) -> Counter:
     """Requests each replica of ``deployment`` finished, ok or not (Serve's own exact counters)."""
     counts = Counter()
-    for name, labels, value in scrape(client.metrics.url):
+    for name, labels, value in scrape(client.metrics.url, *_HANDLED):
         if name in _HANDLED and labels.get("deployment", "").startswith(deployment):
             counts[labels["replica"]] += value
     return counts
@@ -239,7 +239,7 @@ def test_a_turn_after_retention_ended_is_served_in_full_and_correct(client, refe
 def turns_on(client, replica: str, history: str) -> float:
     """Conversation turns one replica served with ``history`` (ours() sums over replicas)."""
     return sum(
-        value for name, labels, value in scrape(client.metrics.url)
+        value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_conversation_turns_total")
         if name == "ray_rendezvous_conversation_turns_total" and labels.get("replica") == replica and labels.get("history") == history
     )
 
@@ -325,7 +325,8 @@ def test_whole_answers_not_started_by_the_queue_deadline_are_503_and_aborted(cli
 
 
 def _expired(client) -> float:
-    return sum(v for name, _, v in scrape(client.metrics.url) if name == "ray_rendezvous_ingress_expired_total")
+    return sum(v for name, _, v in scrape(client.metrics.url, "ray_rendezvous_ingress_expired_total")
+               if name == "ray_rendezvous_ingress_expired_total")
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def _counted(after, before, *key) -> float:
 def _bindings(client) -> Counter:
     """Requests decoded, by (binding, moved), summed over the decode replicas."""
     counts = Counter()
-    for name, labels, value in scrape(client.metrics.url):
+    for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_decode_bindings_total"):
         if name == "ray_rendezvous_decode_bindings_total":
             counts[(labels.get("binding"), labels.get("moved"))] += value
     return counts

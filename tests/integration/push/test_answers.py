@@ -138,12 +138,12 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
     stages = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not {"ttft", "handoff", "transfer", "write", "prefill_compute", "deliver"} <= set(stages):
-        stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
+        stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_stage_seconds_count")
                   if name == "ray_rendezvous_stage_seconds_count" and labels.get("mode") == "push"}
         time.sleep(1)
     assert {"route", "decode_pick", "decode_hop", "bind", "prefill_pick", "prefill_hop", "prefill_queue", "prefill_compute",
             "register", "handoff", "transfer", "write_wait", "write", "first_step", "deliver", "ttft"} <= set(stages)
-    sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url)
+    sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_stage_seconds_sum")
             if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]
 

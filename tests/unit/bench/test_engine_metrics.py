@@ -14,6 +14,7 @@ from bench.engine_metrics import (
     counted_by,
     histogram_estimate,
     parse,
+    scrape,
     settle,
     total_delta,
 )
@@ -75,6 +76,8 @@ PAGE = """\
 # TYPE ray_serve_deployment_request_counter_total counter
 ray_serve_deployment_request_counter_total{deployment="Prefill:abc",replica="p1",route="/"} 4.0
 ray_serve_deployment_request_counter_total{deployment="Decode:abc",replica="d1",route="/"} 5.0
+ray_serve_deployment_replica_starts_total{deployment="Prefill:abc",replica="p1"} 1.0
+ray_serve_deployment_replica_starts_total{deployment="Decode:abc",replica="d1"} 1.0
 # TYPE ray_vllm_request_success_total counter
 ray_vllm_request_success_total{ReplicaId="p1",finished_reason="length"} 4.0
 ray_vllm_request_success_total{ReplicaId="d1",finished_reason="length"} 3.0
@@ -90,10 +93,24 @@ ray_vllm_prompt_tokens_by_source_total{ReplicaId="d1",source="external_kv_transf
 """
 
 
+class _Text:
+    """What httpx.get returns, as far as bench.engine_metrics reads it."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 @pytest.fixture
 def page(monkeypatch):
-    """scrape() reads PAGE (and a second copy for a second URL)."""
-    monkeypatch.setattr(em, "scrape", lambda url: parse(PAGE))
+    """Every endpoint serves PAGE (a second URL: a second copy)."""
+    monkeypatch.setattr(em.httpx, "get", lambda url, timeout: _Text(PAGE))
+
+
+def test_a_snapshot_of_some_metrics_reads_only_them_and_still_knows_the_roles(page):
+    assert RoleMetrics("http://x/metrics").snapshot("request_success_total") == {
+        "prefill": {"request_success_total": 4.0}, "replica:p1": {"request_success_total": 4.0},
+        "decode": {"request_success_total": 5.0}, "replica:d1": {"request_success_total": 5.0},
+    }
 
 
 def test_snapshot_maps_replicas_to_roles(page):
@@ -196,6 +213,15 @@ def test_settled_snapshot_waits_one_ray_export_interval_and_a_margin_of_quiet(mo
     monkeypatch.setattr(metrics, "snapshot", lambda: {"decode": {"a": clock.now}})
     with pytest.raises(TimeoutError, match="^engine metrics kept changing; is something else sending requests\\?$"):
         metrics.settled_snapshot(timeout_s=30)
+
+
+def test_scrape_of_some_names_keeps_exactly_their_samples(monkeypatch):
+    """Lines are picked out before parsing (Ray's endpoint is a megabyte): the same samples as a full parse."""
+    text = "".join(body for body, _ in PARSE_CASES.values())
+    monkeypatch.setattr(em.httpx, "get", lambda url, timeout: _Text(text))
+    everything = scrape("http://a")
+    for names in [("ray_serve_",), ("ray_vllm_", "ray_serve_num"), ("ray_nothing",)]:
+        assert scrape("http://a", *names) == [s for s in everything if s[0].startswith(names)]
 
 
 # --------------------------------------------------------------------------- deltas between snapshots
