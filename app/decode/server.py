@@ -49,8 +49,8 @@ from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PD
 from app.config.args import HandoffArgs, PullHistory
 from app.decode.metrics import DecodeMetrics
 from app.decode.serving import DecodeServing
-from app.replica.prompts import load_tokenizer
 from app.replica import heartbeat
+from app.replica.prompts import load_tokenizer
 from app.replica.serve_logs import serve_log_targets_kept
 from app.replica.warmup import warm_up
 from app.request.deadlines import Deadlines

@@ -14,8 +14,8 @@ from typing import Any
 
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDPrefillServer
 
-from app.replica.prompts import load_tokenizer, prompt_token_ids
 from app.replica import heartbeat
+from app.replica.prompts import load_tokenizer, prompt_token_ids
 from app.replica.serve_logs import serve_log_targets_kept
 from app.replica.warmup import warm_up
 from app.request.deadlines import SoloLegs

@@ -24,7 +24,7 @@ BEAT_S = 0.25
 @functools.cache
 def start() -> threading.Thread:
     """Start this process's heartbeat (once a process: later calls return the running one)."""
-    gauge = Gauge(HEARTBEAT_METRIC, description="Unix time by this replica's clock, set every 0.25 s: how fresh its "
+    gauge = Gauge(HEARTBEAT_METRIC, description=f"Unix time by this replica's clock, set every {BEAT_S} s: how fresh its "
                   "other metrics are (Ray exports a replica's metrics together). Stops advancing if its metrics stop.")
 
     def beat() -> None:

@@ -120,7 +120,7 @@ def test_a_lost_prefill_node_loses_no_request_and_prefill_returns_with_the_node(
     # The deadlines, then decode's own compute of the longest prompt (~7 s alone; 4 at once on 2 cores).
     assert slowest < KV_TIMEOUT_S + 90, f"a request took {slowest:.0f} s"
     # The long prompts were still in prefill when the node went, and the last request came after.
-    grown = _wait_by_prefill_path(cluster, before, lambda g: sum(g.values()) >= len(cases) + 1)
+    grown = _wait_by_prefill_path(plan, before, lambda g: sum(g.values()) >= len(cases) + 1)
     print(f"requests by prefill path: {dict(grown)}")
     assert grown["fallback"] >= 3 and sum(grown.values()) == len(cases) + 1, dict(grown)
 
@@ -129,7 +129,7 @@ def test_a_lost_prefill_node_loses_no_request_and_prefill_returns_with_the_node(
     assert advertised(plan.node(NodeKind.PREFILL), "prefill", new_prefill), "the new prefill engine is not on the prefill node"
     before = _by_prefill_path(plan)
     assert_token_identical(cluster, reference, CASE_BY_NAME["completion-long"])
-    grown = _wait_by_prefill_path(cluster, before, lambda g: g["remote"] >= 1)
+    grown = _wait_by_prefill_path(plan, before, lambda g: g["remote"] >= 1)
     assert grown == Counter({"remote": 1}), f"after the node returned ({new_prefill}): {dict(grown)}"
 
 
@@ -184,14 +184,14 @@ def _by_prefill_path(plan) -> Counter:
     return _counted(plan, NodeKind.DECODE, "ray_rendezvous_requests_total", "prefill")
 
 
-def _wait_by_prefill_path(cluster, before: Counter, predicate, timeout_s: float = 60) -> Counter:
+def _wait_by_prefill_path(plan, before: Counter, predicate, timeout_s: float = 60) -> Counter:
     """The decode replica's requests by prefill path since ``before``, once ``predicate`` holds
     and then quiet for an export interval (Ray exports every few seconds)."""
     deadline = time.monotonic() + timeout_s
-    while not predicate(_by_prefill_path(cluster.plan) - before) and time.monotonic() < deadline:
+    while not predicate(_by_prefill_path(plan) - before) and time.monotonic() < deadline:
         time.sleep(1)
     time.sleep(settle_quiet_s())
-    return _by_prefill_path(cluster.plan) - before
+    return _by_prefill_path(plan) - before
 
 
 def _healthy(plan, deployment: str) -> set[str]:
