@@ -51,6 +51,12 @@ def scrape(url: str, *names: str) -> list[Sample]:
     return parse(text)
 
 
+def samples_named(url: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of exactly ``name`` (``scrape`` matches a prefix: a counter's ``_created``
+    samples and longer names share it)."""
+    return [(labels, value) for sample, labels, value in scrape(url, name) if sample == name]
+
+
 # Ray exports metrics every ``metrics_report_interval_ms``: 10 s unless the environment Ray starts
 # in says otherwise (the integration tests' apps export every 2 s). A fresh scrape can lack what
 # happened since the last export; a value unchanged for one export and a margin has settled.
@@ -121,9 +127,8 @@ def _waited(started: float) -> None:
 def counted_by(url: str, name: str, label: str) -> Counter:
     """Samples of the metric ``name`` summed by the value of one ``label`` (over replicas)."""
     counts: Counter = Counter()
-    for sample, labels, value in scrape(url, name):
-        if sample == name:
-            counts[labels.get(label, "")] += value
+    for labels, value in samples_named(url, name):
+        counts[labels.get(label, "")] += value
     return counts
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from app.tools.cluster import kill_node, rejoin
 from app.tools.cluster_plan import NodeKind
-from bench.engine_metrics import counted_by, delta, scrape, settle_quiet_s
+from bench.engine_metrics import counted_by, delta, samples_named, settle_quiet_s
 from bench.profiles import kv_bytes_per_token
 from tests.integration.cases import CASE_BY_NAME, assert_token_identical, parse_generation
 from tests.integration.cluster import (
@@ -197,9 +197,8 @@ def _wait_by_prefill_path(plan, before: Counter, predicate, timeout_s: float = 6
 def _healthy(plan, deployment: str) -> set[str]:
     """Replicas of ``deployment`` Serve's controller (on the head) reports healthy."""
     return {
-        labels["replica"] for name, labels, value in scrape(plan.metrics_url(NodeKind.HEAD), "ray_serve_deployment_replica_healthy")
-        if name == "ray_serve_deployment_replica_healthy" and labels.get("deployment", "").startswith(deployment)
-        and value == 1
+        labels["replica"] for labels, value in samples_named(plan.metrics_url(NodeKind.HEAD), "ray_serve_deployment_replica_healthy")
+        if labels.get("deployment", "").startswith(deployment) and value == 1
     }
 
 

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from app.tools.procs import BASE_URL
-from bench.engine_metrics import counted_by, delta, scrape, settle, settle_quiet_s
+from bench.engine_metrics import counted_by, delta, samples_named, scrape, settle, settle_quiet_s
 from bench.faults import healthy_replicas, wait_replaced, worker_pid
 from bench.openloop import body_for
 from bench.profiles import app_args_of, load_config
@@ -239,8 +239,8 @@ def test_a_turn_after_retention_ended_is_served_in_full_and_correct(client, refe
 def turns_on(client, replica: str, history: str) -> float:
     """Conversation turns one replica served with ``history`` (ours() sums over replicas)."""
     return sum(
-        value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_conversation_turns_total")
-        if name == "ray_rendezvous_conversation_turns_total" and labels.get("replica") == replica and labels.get("history") == history
+        value for labels, value in samples_named(client.metrics.url, "ray_rendezvous_conversation_turns_total")
+        if labels.get("replica") == replica and labels.get("history") == history
     )
 
 
@@ -325,8 +325,7 @@ def test_whole_answers_not_started_by_the_queue_deadline_are_503_and_aborted(cli
 
 
 def _expired(client) -> float:
-    return sum(v for name, _, v in scrape(client.metrics.url, "ray_rendezvous_ingress_expired_total")
-               if name == "ray_rendezvous_ingress_expired_total")
+    return sum(value for _, value in samples_named(client.metrics.url, "ray_rendezvous_ingress_expired_total"))
 
 
 @pytest.mark.slow

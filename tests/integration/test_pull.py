@@ -29,7 +29,7 @@ from tests.integration.cases import (
     long_text,
     parse_generation,
 )
-from bench.engine_metrics import delta, scrape
+from bench.engine_metrics import delta, samples_named
 from bench.profiles import kv_bytes_per_token
 from tests.integration.apps import KvFaultSwitch, app_client, with_args
 from tests.integration.conversations import (
@@ -131,9 +131,8 @@ def _counted(after, before, *key) -> float:
 def _bindings(client) -> Counter:
     """Requests decoded, by (binding, moved), summed over the decode replicas."""
     counts = Counter()
-    for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_decode_bindings_total"):
-        if name == "ray_rendezvous_decode_bindings_total":
-            counts[(labels.get("binding"), labels.get("moved"))] += value
+    for labels, value in samples_named(client.metrics.url, "ray_rendezvous_decode_bindings_total"):
+        counts[(labels.get("binding"), labels.get("moved"))] += value
     return counts
 
 

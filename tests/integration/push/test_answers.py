@@ -22,7 +22,7 @@ import pytest
 
 from app.model_source import resolve_model_source
 from app.tools.procs import BASE_URL, MARKER, REPO, cpu_seconds, engine_processes, find_processes, new_run_env
-from bench.engine_metrics import scrape
+from bench.engine_metrics import samples_named
 from bench.plots import plot_results
 from bench.profiles import app_args_of, load_config
 from bench.results import COLUMNS, write_results
@@ -138,13 +138,13 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
     stages = {}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not {"ttft", "handoff", "transfer", "write", "prefill_compute", "deliver"} <= set(stages):
-        stages = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_stage_seconds_count")
-                  if name == "ray_rendezvous_stage_seconds_count" and labels.get("mode") == "push"}
+        stages = {labels["stage"]: value for labels, value in samples_named(client.metrics.url, "ray_rendezvous_stage_seconds_count")
+                  if labels.get("mode") == "push"}
         time.sleep(1)
     assert {"route", "decode_pick", "decode_hop", "bind", "prefill_pick", "prefill_hop", "prefill_queue", "prefill_compute",
             "register", "handoff", "transfer", "write_wait", "write", "first_step", "deliver", "ttft"} <= set(stages)
-    sums = {labels["stage"]: value for name, labels, value in scrape(client.metrics.url, "ray_rendezvous_stage_seconds_sum")
-            if name == "ray_rendezvous_stage_seconds_sum" and labels.get("mode") == "push"}
+    sums = {labels["stage"]: value for labels, value in samples_named(client.metrics.url, "ray_rendezvous_stage_seconds_sum")
+            if labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]
 
 

@@ -14,6 +14,7 @@ from bench.engine_metrics import (
     counted_by,
     histogram_estimate,
     parse,
+    samples_named,
     scrape,
     settle,
     total_delta,
@@ -222,6 +223,15 @@ def test_scrape_of_some_names_keeps_exactly_their_samples(monkeypatch):
     everything = scrape("http://a")
     for names in [("ray_serve_",), ("ray_vllm_", "ray_serve_num"), ("ray_nothing",)]:
         assert scrape("http://a", *names) == [s for s in everything if s[0].startswith(names)]
+
+
+def test_samples_named_keeps_that_name_only_not_the_longer_ones_it_begins():
+    text = ('ray_x_total{a="1"} 2\nray_x_total_created{a="1"} 1.7e9\nray_x_total{a="2"} 3\n'
+            'ray_x_totals{a="3"} 4\n# TYPE ray_y counter\nray_y{a="1"} 5\n')
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(em.httpx, "get", lambda url, timeout: _Text(text))
+        assert samples_named("http://a", "ray_x_total") == [({"a": "1"}, 2.0), ({"a": "2"}, 3.0)]
+        assert samples_named("http://a", "ray_z") == []
 
 
 # --------------------------------------------------------------------------- deltas between snapshots
