@@ -35,10 +35,8 @@ class ReferenceEngine:
 
     def __init__(self, config: str | Path):
         args = app_args(config)
-        # Same engine args as the app's engines, decode's environment, and prefill's compute threads: it computes
-        # whole prompts (teacher forcing is one batch of them), mostly while the app is idle.
-        threads = {key: value for key, value in args.prefill.env.items() if key == "OMP_NUM_THREADS"}
-        os.environ.update({**CPU_DEFAULT_ENV, **args.decode.env, **threads})
+        # Same numerics as the app's engines: same engine args, same thread settings.
+        os.environ.update({**CPU_DEFAULT_ENV, **args.decode.env})
         from vllm import LLM
 
         kwargs = args.engine_kwargs_for(Role.DECODE)

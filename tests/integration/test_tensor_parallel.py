@@ -45,9 +45,7 @@ def tp_config(log_dir, mode: str, prefill_tp: int, decode_tp: int) -> str:
     if (mode, prefill_tp, decode_tp) == PROGRESSIVE:
         extra = {"handoff": {**HANDOFF, "progressive": True},
                  "engine_kwargs": {**args["engine_kwargs"], "max_num_batched_tokens": CHUNK_TOKENS}}
-    # A side of three ranks has one compute thread per rank (the config's prefill has two: a single engine's share).
-    roles = {role: {**args[role], "engine_kwargs": {"tensor_parallel_size": tp[role]}, "env": {**args[role]["env"], "OMP_NUM_THREADS": "1"}}
-             for role in tp if tp[role] > 1}
+    roles = {role: {**args[role], "engine_kwargs": {"tensor_parallel_size": tp[role]}} for role in tp if tp[role] > 1}
     return with_args(BASE, log_dir, name=f"tp-{mode}-p{prefill_tp}d{decode_tp}", mode=mode, **{"handoff": HANDOFF, **extra}, **roles)
 
 
