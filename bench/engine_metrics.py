@@ -58,7 +58,7 @@ def samples_named(url: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 # Ray exports metrics every ``metrics_report_interval_ms``: 10 s unless the environment Ray starts
-# in says otherwise (the integration tests' apps export every 2 s). A fresh scrape can lack what
+# in says otherwise (the integration tests' apps export every second). A fresh scrape can lack what
 # happened since the last export; a value unchanged for one export and a margin has settled.
 EXPORT_INTERVAL_ENV = "RAY_metrics_report_interval_ms"
 # Ray drops a gauge not set again within two export intervals (its metrics agent's

@@ -466,7 +466,7 @@ SEAMS: list[Seam] = [
          checked_by=_T + "test_ray_node_initialization_downloads_nothing_without_a_mirror"),
     Seam("ray", "ray.llm._internal.common.utils.cloud_utils", "is_remote_path", "import", ("app/replica/node_init.py",),
          "tell a cloud model path (downloaded by the node tasks) by Ray's own rule"),
-    # Metrics export (bench/engine_metrics.py): the test apps export every 2 s, and gauges must outlive it.
+    # Metrics export (bench/engine_metrics.py): the test apps export every second, and gauges must outlive it.
     Seam("ray", "ray._private.telemetry.open_telemetry_metric_recorder:OpenTelemetryMetricRecorder",
          "_resolve_gauge_ttl_seconds", "method", ("bench/engine_metrics.py",),
          "a gauge not set again within two export intervals is dropped (how often ours and Serve's must be set)",

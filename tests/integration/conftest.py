@@ -14,10 +14,11 @@ from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV
 from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
-# The apps of the tests export their metrics every 2 s instead of Ray's 10 (Ray settings an operator can
-# make too; bench.engine_metrics says why Serve's status gauges go with it): the tests wait for metrics to
-# settle some forty times, each an export interval and a margin.
-TEST_METRICS_ENV = {EXPORT_INTERVAL_ENV: "2000", SERVE_STATUS_GAUGE_ENV: "1"}
+# The apps of the tests export their metrics every second (Ray's floor) instead of every 10 s (Ray settings an
+# operator can make too; bench.engine_metrics says why Serve's status gauges go with it): the tests wait for
+# metrics to settle about a hundred times, each an export interval and a margin. From 2 s to 1: a third less
+# waiting in test_pull.py (75 -> 53 s, same hour, 2026-12-06).
+TEST_METRICS_ENV = {EXPORT_INTERVAL_ENV: "1000", SERVE_STATUS_GAUGE_ENV: "0.5"}
 
 
 def pytest_collection_modifyitems(items):
@@ -39,7 +40,7 @@ def no_engine_outlives_the_tests():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def apps_export_metrics_every_2_s():
+def apps_export_metrics_every_second():
     """Every app, cluster node and metrics reader of the session sees the same intervals (its environment)."""
     with pytest.MonkeyPatch.context() as patch:
         for name, value in TEST_METRICS_ENV.items():
