@@ -128,14 +128,20 @@ def engine_pids(plan: ClusterPlan) -> set[int]:
     return {pid for pid in running(pids) if process_name(pid) == ENGINE_PROCESS}
 
 
+_HEALTHY = "ray_serve_deployment_replica_healthy"
+
+
 def all_replicas_healthy(plan: ClusterPlan) -> bool:
     """Whether Serve's controller (on the head) reports every replica of the app healthy, and at least one."""
     try:
         text = httpx.get(plan.metrics_url(NodeKind.HEAD), timeout=5).text
     except httpx.HTTPError:
         return False
+    # Its lines only: the head's endpoint is over a megabyte, a quarter second of CPU to parse whole, and this is
+    # polled through the outage (bench.engine_metrics.scrape does the same).
+    text = "".join(line for line in text.splitlines(keepends=True) if line.startswith(_HEALTHY))
     health = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-              if sample.name == "ray_serve_deployment_replica_healthy"]
+              if sample.name == _HEALTHY]
     return bool(health) and all(v == 1 for v in health)
 
 
