@@ -37,8 +37,8 @@ class ReferenceEngine:
         args = app_args(config)
         # The app's engine args and decode's environment, but a compute thread per core: the tests ask it while the
         # app is idle (before a step, or after it: teacher forcing is one batch of whole prompts), and one thread
-        # left the box's other core idle. Its answers did not change with two (the suite's token-identical checks
-        # passed), and every such check proves it again.
+        # left the box's other core idle. Its answers did not change with two (2026-12-06: the push package's and the
+        # 1P2D module's token-identical checks passed), and every such check proves it again.
         os.environ.update({**CPU_DEFAULT_ENV, **args.decode.env, "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
         from vllm import LLM
 
