@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from app.tools.metrics_text import metric_lines
 
 Snapshot = dict[str, dict[str, float]]
 Sample = tuple[str, dict[str, str], float]
@@ -42,13 +43,9 @@ def parse(text: str) -> list[Sample]:
 
 
 def scrape(url: str, *names: str) -> list[Sample]:
-    """The endpoint's samples; with ``names``, only those whose name starts with one of them. Ray's endpoint is over
-    a megabyte of text (its own histograms), and prometheus_client parses it in a quarter of a second: the lines a
-    reader needs are picked out first."""
-    text = httpx.get(url, timeout=10).text
-    if names:
-        text = "".join(line for line in text.splitlines(keepends=True) if line.startswith(names))
-    return parse(text)
+    """The endpoint's samples; with ``names``, only those whose name starts with one of them (their lines picked
+    out before parsing: app.tools.metrics_text)."""
+    return parse(metric_lines(url, *names))
 
 
 def samples_named(url: str, name: str) -> list[tuple[dict[str, str], float]]:

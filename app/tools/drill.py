@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.tools.cluster import kill_node, namespace_pids, rejoin, running_plan
 from app.tools.cluster_plan import ClusterPlan, NodeKind, in_namespace
+from app.tools.metrics_text import metric_lines
 from app.tools.procs import process_environ, process_name, running
 
 ENGINE_PROCESS = "VLLM::EngineCor"  # vLLM's engine core process title, as /proc/<pid>/comm cuts it
@@ -134,12 +135,9 @@ _HEALTHY = "ray_serve_deployment_replica_healthy"
 def all_replicas_healthy(plan: ClusterPlan) -> bool:
     """Whether Serve's controller (on the head) reports every replica of the app healthy, and at least one."""
     try:
-        text = httpx.get(plan.metrics_url(NodeKind.HEAD), timeout=5).text
+        text = metric_lines(plan.metrics_url(NodeKind.HEAD), _HEALTHY, timeout_s=5)  # polled through the outage
     except httpx.HTTPError:
         return False
-    # Its lines only: the head's endpoint is over a megabyte, a quarter second of CPU to parse whole, and this is
-    # polled through the outage (bench.engine_metrics.scrape does the same).
-    text = "".join(line for line in text.splitlines(keepends=True) if line.startswith(_HEALTHY))
     health = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
               if sample.name == _HEALTHY]
     return bool(health) and all(v == 1 for v in health)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+import app.tools.metrics_text as metrics_text
 import bench.engine_metrics as em
 from bench.engine_metrics import (
     EXPORT_INTERVAL_ENV,
@@ -104,7 +105,7 @@ class _Text:
 @pytest.fixture
 def page(monkeypatch):
     """Every endpoint serves PAGE (a second URL: a second copy)."""
-    monkeypatch.setattr(em.httpx, "get", lambda url, timeout: _Text(PAGE))
+    monkeypatch.setattr(metrics_text.httpx, "get", lambda url, timeout: _Text(PAGE))
 
 
 def test_a_snapshot_of_some_metrics_reads_only_them_and_still_knows_the_roles(page):
@@ -219,7 +220,7 @@ def test_settled_snapshot_waits_one_ray_export_interval_and_a_margin_of_quiet(mo
 def test_scrape_of_some_names_keeps_exactly_their_samples(monkeypatch):
     """Lines are picked out before parsing (Ray's endpoint is a megabyte): the same samples as a full parse."""
     text = "".join(body for body, _ in PARSE_CASES.values())
-    monkeypatch.setattr(em.httpx, "get", lambda url, timeout: _Text(text))
+    monkeypatch.setattr(metrics_text.httpx, "get", lambda url, timeout: _Text(text))
     everything = scrape("http://a")
     for names in [("ray_serve_",), ("ray_vllm_", "ray_serve_num"), ("ray_nothing",)]:
         assert scrape("http://a", *names) == [s for s in everything if s[0].startswith(names)]
@@ -229,7 +230,7 @@ def test_samples_named_keeps_that_name_only_not_the_longer_ones_it_begins():
     text = ('ray_x_total{a="1"} 2\nray_x_total_created{a="1"} 1.7e9\nray_x_total{a="2"} 3\n'
             'ray_x_totals{a="3"} 4\n# TYPE ray_y counter\nray_y{a="1"} 5\n')
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(em.httpx, "get", lambda url, timeout: _Text(text))
+        patch.setattr(metrics_text.httpx, "get", lambda url, timeout: _Text(text))
         assert samples_named("http://a", "ray_x_total") == [({"a": "1"}, 2.0), ({"a": "2"}, 3.0)]
         assert samples_named("http://a", "ray_z") == []
 

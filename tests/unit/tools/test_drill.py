@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 import app.tools.drill as drill
+import app.tools.metrics_text as metrics_text
 from app.tools.drill import Outcome, outage_s
 
 
@@ -41,12 +42,12 @@ _REPLICA = 'ray_serve_deployment_replica_healthy{{deployment="{d}",replica="{d}#
     (_REPLICA.format(d="Decode", v=1) + 'ray_serve_deployment_replica_healthy_x{a="b"} 0\nother{a="b"} 0\n', True),
 ])
 def test_every_replica_healthy_is_read_from_the_heads_gauge_lines(monkeypatch, text, healthy):
-    monkeypatch.setattr(drill.httpx, "get", lambda url, timeout: SimpleNamespace(text=text) if url == _HEAD else None)
+    monkeypatch.setattr(metrics_text.httpx, "get", lambda url, timeout: SimpleNamespace(text=text) if url == _HEAD else None)
     assert drill.all_replicas_healthy(SimpleNamespace(metrics_url=lambda kind: _HEAD)) is healthy
 
 
 def test_a_head_that_does_not_answer_is_not_healthy(monkeypatch):
     def refused(url, timeout):
         raise drill.httpx.ConnectError("refused")
-    monkeypatch.setattr(drill.httpx, "get", refused)
+    monkeypatch.setattr(metrics_text.httpx, "get", refused)
     assert drill.all_replicas_healthy(SimpleNamespace(metrics_url=lambda kind: _HEAD)) is False
