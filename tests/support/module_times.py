@@ -1,7 +1,8 @@
 """A pytest plugin: the wall time of each test module (setup, calls and teardown of its tests,
 module fixtures included), and how much of it went to waiting for Ray's metric exports
-(``bench.engine_metrics.settle`` and ``wait_for``), printed at the end of the run and written to
-``$MODULE_TIMES_FILE`` (CSV) when set. The suite's budget is spent per module; this is how it is
+(``bench.engine_metrics.settle`` and ``wait_for``), and how busy the box's cores were meanwhile (the share of
+all cores' time not idle: what is left for running modules side by side), printed at the end of the run and
+written to ``$MODULE_TIMES_FILE`` (CSV) when set. The suite's budget is spent per module; this is how it is
 published (docs/testing.md, "Time by module")."""
 
 from __future__ import annotations
@@ -12,11 +13,30 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import psutil
+
 _seconds: dict[str, float] = defaultdict(float)
 _tests: dict[str, int] = defaultdict(int)
 _metric_waits: dict[str, float] = defaultdict(float)
+_busy_s: dict[str, float] = defaultdict(float)
+_span_s: dict[str, float] = defaultdict(float)  # wall time between reports, the CPU share's denominator
 _waited_before = 0.0
 _started = time.monotonic()
+_CORES = psutil.cpu_count() or 1
+
+
+def _busy_now() -> float:
+    """CPU seconds the box's cores spent not idle since boot (all processes, not just the tests')."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+_mark = (time.monotonic(), _busy_now())
+
+
+def pytest_collection_finish(session) -> None:
+    global _mark
+    _mark = (time.monotonic(), _busy_now())  # collection's CPU is no module's
 
 
 def _waited_s() -> float:
@@ -25,9 +45,13 @@ def _waited_s() -> float:
 
 
 def pytest_runtest_logreport(report) -> None:
-    global _waited_before
+    global _waited_before, _mark
     module = report.nodeid.split("::", 1)[0]
     _seconds[module] += report.duration
+    now = (time.monotonic(), _busy_now())
+    _span_s[module] += now[0] - _mark[0]
+    _busy_s[module] += now[1] - _mark[1]
+    _mark = now
     waited = _waited_s()
     _metric_waits[module] += waited - _waited_before
     _waited_before = waited
@@ -42,8 +66,16 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("time by module")
     for module, seconds in rows:
         terminalreporter.write_line(f"{seconds / 60:7.1f} min  {_tests[module]:4d} tests  "
-                                    f"{_metric_waits[module] / 60:5.1f} min metric waits  {module}")
-    terminalreporter.write_line(f"{(time.monotonic() - _started) / 60:7.1f} min  in all (wall)")
+                                    f"{_metric_waits[module] / 60:5.1f} min metric waits  {_cpu_busy(module):4.0%} CPU busy  {module}")
+    busy, span = sum(_busy_s.values()), sum(_span_s.values())
+    terminalreporter.write_line(f"{(time.monotonic() - _started) / 60:7.1f} min  in all (wall); the cores "
+                                f"{busy / (_CORES * span):.0%} busy while the tests ran")
     if path := os.environ.get("MODULE_TIMES_FILE"):
-        lines = ["module,tests,seconds,metric_wait_seconds"] + [f"{m},{_tests[m]},{s:.1f},{_metric_waits[m]:.1f}" for m, s in rows]
+        lines = ["module,tests,seconds,metric_wait_seconds,cpu_busy"] + [
+            f"{m},{_tests[m]},{s:.1f},{_metric_waits[m]:.1f},{_cpu_busy(m):.2f}" for m, s in rows]
         Path(path).write_text("\n".join(lines) + "\n")
+
+
+def _cpu_busy(module: str) -> float:
+    """Share of the cores' time busy while ``module`` ran (from the report before its first to its last)."""
+    return max(0.0, _busy_s[module]) / (_CORES * _span_s[module]) if _span_s[module] > 0 else 0.0
