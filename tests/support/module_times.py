@@ -21,7 +21,8 @@ _metric_waits: dict[str, float] = defaultdict(float)
 _busy_s: dict[str, float] = defaultdict(float)
 _span_s: dict[str, float] = defaultdict(float)  # wall time between reports, the CPU share's denominator
 _waited_before = 0.0
-_started = time.monotonic()
+_clock = time.monotonic  # bound now: unit tests patch time.monotonic with fake clocks
+_started = _clock()
 _CORES = psutil.cpu_count() or 1
 
 
@@ -31,12 +32,12 @@ def _busy_now() -> float:
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
-_mark = (time.monotonic(), _busy_now())
+_mark = (_clock(), _busy_now())
 
 
 def pytest_collection_finish(session) -> None:
     global _mark
-    _mark = (time.monotonic(), _busy_now())  # collection's CPU is no module's
+    _mark = (_clock(), _busy_now())  # collection's CPU is no module's
 
 
 def _waited_s() -> float:
@@ -48,7 +49,7 @@ def pytest_runtest_logreport(report) -> None:
     global _waited_before, _mark
     module = report.nodeid.split("::", 1)[0]
     _seconds[module] += report.duration
-    now = (time.monotonic(), _busy_now())
+    now = (_clock(), _busy_now())
     _span_s[module] += now[0] - _mark[0]
     _busy_s[module] += now[1] - _mark[1]
     _mark = now
@@ -68,7 +69,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"{seconds / 60:7.1f} min  {_tests[module]:4d} tests  "
                                     f"{_metric_waits[module] / 60:5.1f} min metric waits  {_cpu_busy(module):4.0%} CPU busy  {module}")
     busy, span = sum(_busy_s.values()), sum(_span_s.values())
-    terminalreporter.write_line(f"{(time.monotonic() - _started) / 60:7.1f} min  in all (wall); the cores "
+    terminalreporter.write_line(f"{(_clock() - _started) / 60:7.1f} min  in all (wall); the cores "
                                 f"{busy / (_CORES * span):.0%} busy while the tests ran")
     if path := os.environ.get("MODULE_TIMES_FILE"):
         lines = ["module,tests,seconds,metric_wait_seconds,cpu_busy"] + [
