@@ -131,34 +131,49 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+# What SIGTERM buys: vLLM's engines shut down on it (their side-channel ports and shared memory freed), so they get
+# the whole grace. Ray's daemons do not: its raylet takes 10 s on SIGTERM and its GCS ignores it (Ray 2.60), and a
+# Serve replica SIGKILLed takes its engines along (PR_SET_PDEATHSIG, connector.vllm_connectors). So the rest get
+# this: a cluster's Ctrl-C took 30 s, two whole graces of it spent waiting for Ray's daemons.
+OTHERS_GRACE_S = 1.0
+
+
 def kill_run(run_id: str | None, grace_s: float = 10.0) -> list[int]:
-    """SIGTERM the run's processes, SIGKILL what is left after ``grace_s``."""
+    """SIGTERM the run's processes, SIGKILL what is left after its grace (``kill``)."""
     return kill(find_processes(run_id), grace_s)
 
 
 def kill(pids: list[int], grace_s: float = 10.0) -> list[int]:
-    """SIGTERM ``pids``, SIGKILL what is left after ``grace_s``; return survivors. A zombie
-    counts as ended (its parent may never reap it). psutil refuses to signal a pid that was
-    reused by a new process meanwhile."""
+    """SIGTERM ``pids``, SIGKILL what is left after its grace: ``grace_s`` for a vLLM engine, at most
+    ``OTHERS_GRACE_S`` for any other process; return survivors. A zombie counts as ended (its parent may never
+    reap it). psutil refuses to signal a pid that was reused by a new process meanwhile."""
     procs = []
     for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
             procs.append(psutil.Process(pid))
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for proc in procs:
-            try:
-                proc.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-            except psutil.AccessDenied as e:  # as os.kill would raise it
-                raise PermissionError(f"not allowed to signal pid {proc.pid}") from e
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
-        while time.monotonic() < deadline:
-            procs = [p for p in procs if _alive(p)]
-            if not procs:
-                return []
-            time.sleep(0.2)
+    graces = {proc.pid: grace_s if _is_engine(_name(proc)) else min(grace_s, OTHERS_GRACE_S) for proc in procs}
+    _signal(procs, signal.SIGTERM)
+    started, killed, last_kill = time.monotonic(), set(), None
+    while procs := [p for p in procs if _alive(p)]:
+        now = time.monotonic()
+        if due := [p for p in procs if p.pid not in killed and now - started >= graces[p.pid]]:
+            _signal(due, signal.SIGKILL)
+            killed |= {p.pid for p in due}
+            last_kill = now
+        if all(p.pid in killed for p in procs) and now - last_kill > 5.0:
+            break  # survived SIGKILL (stuck in the kernel): the caller reports it
+        time.sleep(0.2)
     return [p.pid for p in procs]
+
+
+def _signal(procs: list[psutil.Process], sig: signal.Signals) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+        except psutil.AccessDenied as e:  # as os.kill would raise it
+            raise PermissionError(f"not allowed to signal pid {proc.pid}") from e
 
 
 def _alive(proc: psutil.Process) -> bool:

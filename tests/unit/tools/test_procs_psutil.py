@@ -14,7 +14,8 @@ import uuid
 import psutil
 import pytest
 
-from app.tools.procs import MARKER, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env, running
+from app.tools.procs import (MARKER, OTHERS_GRACE_S, _cmdline, cpu_seconds, engine_processes, find_processes, kill, new_run_env,
+                             running)
 
 PYTHON = sys.executable
 
@@ -69,6 +70,29 @@ def test_kill_falls_back_to_sigkill_after_the_grace_period(started):
     assert kill([stubborn.pid], grace_s=0.5) == []
     assert 0.5 <= time.monotonic() - t0 < 5
     assert stubborn.wait(timeout=5) == -signal.SIGKILL
+
+
+def _ignoring_sigterm(started, name: str) -> subprocess.Popen:
+    """A process named ``name`` (what ``ps`` and psutil show, as vLLM names its engines) that ignores SIGTERM."""
+    code = ("import ctypes, signal, sys, time; ctypes.CDLL(None).prctl(15, sys.argv[1].encode(), 0, 0, 0); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); time.sleep(30)")
+    proc = started([PYTHON, "-c", code, name], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def test_only_an_engine_gets_the_whole_grace_ray_s_daemons_and_the_rest_are_sigkilled_soon(started):
+    """vLLM's engines shut down on SIGTERM; Ray's raylet takes 10 s on it and its GCS ignores it: waiting for
+    them was most of a cluster's Ctrl-C."""
+    daemon, engine = _ignoring_sigterm(started, "gcs_server"), _ignoring_sigterm(started, "VLLM::EngineCore")
+    t0 = time.monotonic()
+    assert kill([daemon.pid], grace_s=10) == []
+    assert OTHERS_GRACE_S <= time.monotonic() - t0 < OTHERS_GRACE_S + 3
+    assert daemon.wait(timeout=5) == -signal.SIGKILL
+    t0 = time.monotonic()
+    assert kill([engine.pid], grace_s=2 * OTHERS_GRACE_S + 1) == []
+    assert time.monotonic() - t0 >= 2 * OTHERS_GRACE_S + 1
+    assert engine.wait(timeout=5) == -signal.SIGKILL
 
 
 def test_kill_counts_gone_and_zombie_processes_as_ended():
