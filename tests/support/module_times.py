@@ -2,11 +2,13 @@
 module fixtures included), and how much of it went to waiting for Ray's metric exports
 (``bench.engine_metrics.settle`` and ``wait_for``), and how busy the box's cores were meanwhile (the share of
 all cores' time not idle: what is left for running modules side by side), printed at the end of the run and
-written to ``$MODULE_TIMES_FILE`` (CSV) when set. The suite's budget is spent per module; this is how it is
-published (docs/testing.md, "Time by module")."""
+written to ``$MODULE_TIMES_FILE`` (CSV) when set; with ``$TEST_TIMES_FILE`` set, each test's setup, call and
+teardown too, with the cores busy meanwhile (where the idle core is). The suite's budget is spent per module;
+this is how it is published (docs/testing.md, "Time by module")."""
 
 from __future__ import annotations
 
+import csv
 import os
 import sys
 import time
@@ -40,6 +42,22 @@ def pytest_collection_finish(session) -> None:
     _mark = (_clock(), _busy_now())  # collection's CPU is no module's
 
 
+class _PerTest:
+    """Rows of ``$TEST_TIMES_FILE``, flushed as they come (a suite cut short keeps what ran)."""
+
+    def __init__(self, path: str):
+        self.file = open(path, "w", newline="")  # open for the whole session
+        self.csv = csv.writer(self.file)
+        self.writerow(["test", "phase", "seconds", "busy_cores"])
+
+    def writerow(self, row: list[str]) -> None:
+        self.csv.writerow(row)
+        self.file.flush()
+
+
+_per_test = _PerTest(path) if (path := os.environ.get("TEST_TIMES_FILE")) else None
+
+
 def _waited_s() -> float:
     metrics = sys.modules.get("bench.engine_metrics")  # imported by the tests that wait for metrics
     return metrics.waited_s if metrics is not None else 0.0
@@ -50,9 +68,12 @@ def pytest_runtest_logreport(report) -> None:
     module = report.nodeid.split("::", 1)[0]
     _seconds[module] += report.duration
     now = (_clock(), _busy_now())
-    _span_s[module] += now[0] - _mark[0]
-    _busy_s[module] += now[1] - _mark[1]
+    span_s, busy_s = now[0] - _mark[0], now[1] - _mark[1]
+    _span_s[module] += span_s
+    _busy_s[module] += busy_s
     _mark = now
+    if _per_test is not None:
+        _per_test.writerow([report.nodeid, report.when, f"{span_s:.1f}", f"{busy_s / span_s if span_s > 0 else 0.0:.2f}"])
     waited = _waited_s()
     _metric_waits[module] += waited - _waited_before
     _waited_before = waited
