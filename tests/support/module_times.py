@@ -55,7 +55,7 @@ class _PerTest:
         self.file.flush()
 
 
-_per_test = _PerTest(path) if (path := os.environ.get("TEST_TIMES_FILE")) else None
+_per_test = _PerTest(os.environ["TEST_TIMES_FILE"]) if os.environ.get("TEST_TIMES_FILE") else None
 
 
 def _waited_s() -> float:
@@ -91,7 +91,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
                                     f"{_metric_waits[module] / 60:5.1f} min metric waits  {_cpu_busy(module):4.0%} CPU busy  {module}")
     busy, span = sum(_busy_s.values()), sum(_span_s.values())
     terminalreporter.write_line(f"{(_clock() - _started) / 60:7.1f} min  in all (wall); the cores "
-                                f"{busy / (_CORES * span):.0%} busy while the tests ran")
+                                f"{busy / (_CORES * span) if span > 0 else 0.0:.0%} busy while the tests ran")
     if path := os.environ.get("MODULE_TIMES_FILE"):
         lines = ["module,tests,seconds,metric_wait_seconds,cpu_busy"] + [
             f"{m},{_tests[m]},{s:.1f},{_metric_waits[m]:.1f},{_cpu_busy(m):.2f}" for m, s in rows]
