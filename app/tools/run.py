@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, forward)
     # Own session, so a terminal's Ctrl-C reaches serve run once, through us.
     child = subprocess.Popen(
-        [sys.executable, "-m", "ray.serve.scripts", "run", config, *argv[1:]],
+        serve_run_argv(config, argv[1:], env),
         env=env,
         start_new_session=True,
     )
@@ -79,6 +79,14 @@ def main(argv: list[str]) -> int:
             flush=True,
         )
     return 1 if gave_up else code
+
+
+def serve_run_argv(config: str, extra: list[str], env: dict[str, str]) -> list[str]:
+    """``serve run CONFIG`` on a Ray of its own unless told where (``RAY_ADDRESS``, ``--address``). Without an
+    address Ray joins the cluster a ``ray start`` on this host recorded (/tmp/ray/ray_current_cluster), even one
+    that has gone: the app then waited on a dead GCS, and Ctrl-C would not have stopped a live one."""
+    told = env.get("RAY_ADDRESS") or any(arg == "--address" or arg.startswith("--address=") for arg in extra)
+    return [sys.executable, "-m", "ray.serve.scripts", "run", config, *extra, *([] if told else ["--address", "local"])]
 
 
 def _read(config: str) -> dict:
