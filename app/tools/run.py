@@ -82,11 +82,12 @@ def main(argv: list[str]) -> int:
 
 
 def serve_run_argv(config: str, extra: list[str], env: dict[str, str]) -> list[str]:
-    """``serve run CONFIG`` on a Ray of its own unless told where (``RAY_ADDRESS``, ``--address``). Without an
-    address Ray joins the cluster a ``ray start`` on this host recorded (/tmp/ray/ray_current_cluster), even one
-    that has gone: the app then waited on a dead GCS, and Ctrl-C would not have stopped a live one."""
-    told = env.get("RAY_ADDRESS") or any(arg == "--address" or arg.startswith("--address=") for arg in extra)
-    return [sys.executable, "-m", "ray.serve.scripts", "run", config, *extra, *([] if told else ["--address", "local"])]
+    """``serve run CONFIG`` on a Ray of its own unless told where: ``RAY_ADDRESS``, or an address among ``extra``
+    (after ours, so it wins: click takes an option's last value). Without an address Ray joins the cluster a
+    ``ray start`` on this host recorded (/tmp/ray/ray_current_cluster), even one that has gone: the app then
+    waited on a dead GCS, and Ctrl-C would not have stopped a live one."""
+    own = [] if env.get("RAY_ADDRESS") else ["--address", "local"]
+    return [sys.executable, "-m", "ray.serve.scripts", "run", config, *own, *extra]
 
 
 def _read(config: str) -> dict:
