@@ -29,7 +29,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -40,7 +39,6 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from app.config.args import AppArgs
 from app.tools.cluster_plan import (
     DEFAULT_PREFIX,
     DEFAULT_SUBNET,
@@ -55,12 +53,10 @@ from app.tools.cluster_plan import (
     worker_group_resources,
 )
 from app.tools.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
-from deploy.resilience import serve_head_restart_errors
+from app.tools.cluster_redis import ft_config_problem, start_redis
 
 DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
 DEFAULT_FT_CONFIG = "configs/local-cpu-2node-ft.yaml"
-# Debian's redis-server, unpacked into the checkout by `make redis` (as promtool is); else one on PATH.
-REDIS_TOOL = REPO / ".tools" / "redis" / "usr" / "bin" / "redis-server"
 RAYSERVICE = REPO / "k8s" / "base" / "rayservice.yaml"  # the worker groups' resources live there
 _STOP_GRACE_S = 120  # app.tools.run's own grace (90 s) plus its sweep
 
@@ -150,6 +146,7 @@ def build(plan: ClusterPlan, env: dict[str, str], redis_password: str | None = N
         _check(argv)
     if plan.redis is not None:
         start_redis(plan, env, redis_password)
+        _say(f"redis: {plan.redis.address} in namespace {plan.redis.namespace} (the GCS's store; logs: {plan.redis.data_dir})")
     for node in plan.nodes:  # head first: the workers join it
         start_node(plan, node, env, redis_password)
         if node.kind is NodeKind.HEAD:
@@ -165,55 +162,6 @@ def start_node(plan: ClusterPlan, node: Node, env: dict[str, str], redis_passwor
     _check(in_namespace(node.namespace, plan.ray_start_command(node, ray, redis_password)), env=node_env,
            start_new_session=True)  # raylets must not get a terminal's Ctrl-C: teardown ends them
     _say(f"ray node {node.kind.value}: {node.ip} in namespace {node.namespace} (logs: {node.temp_dir})")
-
-
-def redis_server() -> tuple[str, dict[str, str]]:
-    """The redis-server binary and the environment it needs (its unpacked libraries, for ``make redis``'s)."""
-    if REDIS_TOOL.exists():
-        libs = sorted(str(p) for p in (REDIS_TOOL.parents[1] / "lib").glob("*-linux-gnu"))
-        return str(REDIS_TOOL), {"LD_LIBRARY_PATH": ":".join(libs)}
-    if found := shutil.which("redis-server"):
-        return found, {}
-    raise RuntimeError("GCS fault tolerance needs redis-server: `make redis` unpacks Debian's into .tools/redis "
-                       "(or apt-get install redis-server)")
-
-
-def start_redis(plan: ClusterPlan, env: dict[str, str], password: str) -> None:
-    """Redis in its own namespace, configured by ``RedisHost.config``; returns once it answers."""
-    redis = plan.redis
-    binary, binary_env = redis_server()
-    data = Path(redis.data_dir)
-    data.mkdir(mode=0o700, parents=True, exist_ok=True)
-    conf = data / "redis.conf"
-    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the password
-    with os.fdopen(fd, "w") as f:
-        f.write(redis.config(password))
-    subprocess.Popen(in_namespace(redis.namespace, [binary, str(conf)]), env={**env, **binary_env}, cwd=data,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 20
-    while not redis_answers(redis.address, password):
-        if time.monotonic() > deadline:
-            log = data / "redis.log"
-            raise RuntimeError(f"Redis did not answer at {redis.address} in 20 s:\n"
-                               f"{log.read_text()[-2000:] if log.exists() else '(no log)'}")
-        time.sleep(0.2)
-    _say(f"redis: {redis.address} in namespace {redis.namespace} (the GCS's store; logs: {redis.data_dir})")
-
-
-def redis_answers(address: str, password: str) -> bool:
-    """Whether Redis at ``address`` takes the password and answers PING (RESP, inline commands)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=2) as s:
-            s.sendall(f"AUTH {password}\r\nPING\r\n".encode())
-            reply = b""
-            while reply.count(b"\r\n") < 2:
-                if not (chunk := s.recv(256)):
-                    break
-                reply += chunk
-    except OSError:
-        return False
-    return reply == b"+OK\r\n+PONG\r\n"
 
 
 def join_file(plan: ClusterPlan) -> Path:
@@ -467,14 +415,6 @@ def main(argv: list[str]) -> int:
         _say(f"--gcs-ft: {config}: {why}")
         return 2
     return up(plan, config)
-
-
-def ft_config_problem(config: str) -> str | None:
-    """Why ``config`` would not outlive a head restart, or None (the rules deploy.checks applies on Kubernetes)."""
-    serve_config = yaml.safe_load(Path(config).read_text()) or {}
-    args = AppArgs.model_validate(serve_config["applications"][0].get("args") or {})
-    problems = serve_head_restart_errors(serve_config, args)
-    return "; ".join(problems) if problems else None
 
 
 if __name__ == "__main__":

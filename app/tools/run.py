@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -29,9 +30,8 @@ def main(argv: list[str]) -> int:
     if (refused := fault_injection_refusal(dict(os.environ))) is not None:
         print(refused, file=sys.stderr, flush=True)
         return 2
-    # With RAY_ADDRESS, serve run deploys onto a running cluster whose proxy holds the HTTP
-    # port already, and whose engines bind on its hosts: nothing here to check.
-    busy = [] if os.environ.get("RAY_ADDRESS") else busy_ports(_read(config))
+    # Onto a running cluster, its proxy holds the HTTP port already and its engines bind on its hosts: nothing to check.
+    busy = [] if onto_cluster(os.environ) else busy_ports(_read(config))
     if busy:
         print(refusal(config, busy), file=sys.stderr, flush=True)
         return 2
@@ -39,9 +39,9 @@ def main(argv: list[str]) -> int:
     run_id = env[MARKER]
     # vLLM's processes make their ZeroMQ IPC sockets in VLLM_RPC_BASE_PATH (default: /tmp) and leave them
     # there when they are ended: in a directory of the run's own instead, removed with the run (engines of
-    # a cluster we deploy onto, RAY_ADDRESS, have their nodes' environment, not ours).
+    # a cluster we deploy onto have their nodes' environment, not ours).
     rpc_dir = None
-    if "VLLM_RPC_BASE_PATH" not in env and not env.get("RAY_ADDRESS"):
+    if "VLLM_RPC_BASE_PATH" not in env and not onto_cluster(env):
         rpc_dir = env["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix=rpc_dir_prefix(run_id))
     print(f"[rendezvous] serve run {config} (run id {run_id}); Ctrl-C stops everything", file=sys.stderr, flush=True)
     stop_requested_at: list[float] = []
@@ -81,12 +81,18 @@ def main(argv: list[str]) -> int:
     return 1 if gave_up else code
 
 
-def serve_run_argv(config: str, extra: list[str], env: dict[str, str]) -> list[str]:
+def onto_cluster(env: Mapping[str, str]) -> bool:
+    """Whether serve run deploys onto a running cluster (``RAY_ADDRESS``, as ``app.tools.cluster`` sets it) rather
+    than starting a Ray here: then the cluster's nodes hold the ports and run the engines, with their environment."""
+    return bool(env.get("RAY_ADDRESS"))
+
+
+def serve_run_argv(config: str, extra: list[str], env: Mapping[str, str]) -> list[str]:
     """``serve run CONFIG`` on a Ray of its own unless told where: ``RAY_ADDRESS``, or an address among ``extra``
     (after ours, so it wins: click takes an option's last value). Without an address Ray joins the cluster a
     ``ray start`` on this host recorded (/tmp/ray/ray_current_cluster), even one that has gone: the app then
     waited on a dead GCS, and Ctrl-C would not have stopped a live one."""
-    own = [] if env.get("RAY_ADDRESS") else ["--address", "local"]
+    own = [] if onto_cluster(env) else ["--address", "local"]
     return [sys.executable, "-m", "ray.serve.scripts", "run", config, *own, *extra]
 
 

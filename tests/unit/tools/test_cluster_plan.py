@@ -252,7 +252,7 @@ def test_gcs_fault_tolerance_adds_a_redis_namespace_and_moves_clients_off_the_he
 
 
 def test_the_ft_config_passes_the_checks_kubernetes_applies_and_the_plain_one_does_not():
-    from app.tools.cluster import ft_config_problem
+    from app.tools.cluster_redis import ft_config_problem
 
     assert ft_config_problem(str(REPO / "configs" / "local-cpu-2node-ft.yaml")) is None
     problems = ft_config_problem(str(CONFIG))
