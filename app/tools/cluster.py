@@ -52,8 +52,8 @@ from app.tools.cluster_plan import (
     plan_cluster,
     worker_group_resources,
 )
-from app.tools.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
 from app.tools.cluster_redis import ft_config_problem, start_redis
+from app.tools.procs import MARKER, REPO, base_url_of, find_processes, kill, new_run_env, read_readiness, running
 
 DEFAULT_CONFIG = "configs/local-cpu-2node.yaml"
 DEFAULT_FT_CONFIG = "configs/local-cpu-2node-ft.yaml"
@@ -146,7 +146,8 @@ def build(plan: ClusterPlan, env: dict[str, str], redis_password: str | None = N
         _check(argv)
     if plan.redis is not None:
         start_redis(plan, env, redis_password)
-        _say(f"redis: {plan.redis.address} in namespace {plan.redis.namespace} (the GCS's store; logs: {plan.redis.data_dir})")
+        redis = plan.redis
+        _say(f"redis: {redis.address} in namespace {redis.namespace} (the GCS's store; logs: {redis.data_dir})")
     for node in plan.nodes:  # head first: the workers join it
         start_node(plan, node, env, redis_password)
         if node.kind is NodeKind.HEAD:
