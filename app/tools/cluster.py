@@ -144,9 +144,8 @@ def build(plan: ClusterPlan, env: dict[str, str], redis_password: str | None = N
     first failure; the caller tears down."""
     for argv in plan.network_commands():
         _check(argv)
-    if plan.redis is not None:
-        start_redis(plan, env, redis_password)
-        redis = plan.redis
+    if (redis := plan.redis) is not None:
+        start_redis(redis, env, redis_password)
         _say(f"redis: {redis.address} in namespace {redis.namespace} (the GCS's store; logs: {redis.data_dir})")
     for node in plan.nodes:  # head first: the workers join it
         start_node(plan, node, env, redis_password)

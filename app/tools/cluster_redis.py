@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from app.config.args import AppArgs
-from app.tools.cluster_plan import ClusterPlan, in_namespace
+from app.tools.cluster_plan import RedisHost, in_namespace
 from app.tools.procs import REPO
 from deploy.resilience import serve_head_restart_errors
 
@@ -31,9 +31,8 @@ def redis_server() -> tuple[str, dict[str, str]]:
                        "(or apt-get install redis-server)")
 
 
-def start_redis(plan: ClusterPlan, env: dict[str, str], password: str) -> None:
+def start_redis(redis: RedisHost, env: dict[str, str], password: str) -> None:
     """Redis in its own namespace, configured by ``RedisHost.config``; returns once it answers."""
-    redis = plan.redis
     binary, binary_env = redis_server()
     data = Path(redis.data_dir)
     data.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -115,4 +115,3 @@ def test_rays_token_is_found_where_rays_docs_say(tmp_path, monkeypatch):
     assert ray_auth_headers({"RAY_AUTH_TOKEN_PATH": str(tmp_path / "elsewhere")}) == {"Authorization": "Bearer file"}
     assert ray_auth_headers({"RAY_AUTH_TOKEN": "env", "RAY_AUTH_TOKEN_PATH": str(tmp_path / "elsewhere")}) == {
         "Authorization": "Bearer env"}
-
