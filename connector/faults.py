@@ -13,7 +13,9 @@ decode never READs that rank's share, ``connector.pull_deadline``), ``stall-read
 worker post no READ (``connector.pull_deadline`` cancels it at its deadline). Progressive push
 (``connector.progressive``): ``fail-chunk`` fails a leg's second chunk WRITE (decode recomputes,
 ``kv_failed``), ``late-registration`` holds decode's registration on prefill until the leg has
-finished (its first WRITE then covers every chunk before the last).
+finished (its first WRITE then covers every chunk before the last). ``misroute`` (read in the decode
+replica, ``connector.ray_backend``) gives the prefill leg another prompt than decode's: decode must
+refuse that KV (``connector.kv_identity``) and recompute.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import os
 
 FAULT_FILE_ENV = "RENDEZVOUS_KV_FAULT_FILE"
 FAULTS_ALLOWED_ENV = "RENDEZVOUS_TEST_FAULTS"
-FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read", "fail-chunk", "late-registration")
+FAULTS = ("flip", "shift", "flip-history", "drop-rank", "stall-read", "fail-chunk", "late-registration",
+          "misroute")
 
 
 def injected_fault() -> str | None:

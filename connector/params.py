@@ -32,6 +32,9 @@ KV_DEADLINE_KEY = "rendezvous_kv_deadline_s"
 # Pull: the sums of the KV a prefill leg leaves for decode to READ, in prefill's response and so in
 # the decode leg's kv_transfer_params (connector/pull_checksum.py).
 KV_SUMS_KEY = "rendezvous_kv_sums"
+# The digest of the prompt token ids a KV was computed from (pull: in prefill's response; push: in decode's
+# registration), compared before the KV is used (connector/kv_identity.py).
+KV_IDENTITY_KEY = "rendezvous_kv_identity"
 # Prefill never starts a WRITE into a registration this close to its expiry.
 WRITE_MARGIN_S = 5.0
 

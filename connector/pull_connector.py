@@ -6,6 +6,7 @@ features in the order written in it. The features:
 - ``pull_checksum``: digests of pulled KV, carried with the request and checked on landing;
 - ``pull_deadline``: a deadline on each READ;
 - ``pull_history``: vLLM's own history read-back, kept to the turns that ask;
+- ``kv_identity``: decode READs only a KV computed from its own prompt's tokens;
 - ``stages`` and ``transfer_order``, as in push.
 """
 
@@ -16,6 +17,7 @@ import time
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
+from connector.kv_identity import PullIdentity
 from connector.nixl_progress import reads_cancel
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
 from connector.pull_deadline import ReadDeadline
@@ -33,9 +35,10 @@ class PullScheduler(NixlPullConnectorScheduler):
         self._stages = StageClock(settings.kv_timeout_s)
         self._history = HistoryPullScheduler(self)
         self._transfers = TransfersFirst()
+        self._identity = PullIdentity()
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if self._history.read_tried(request):
+        if self._history.read_tried(request) or self._identity.matched_tokens_refused(request):
             return 0, False
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -63,6 +66,7 @@ class PullScheduler(NixlPullConnectorScheduler):
             delay, params = super().request_finished(request, block_ids)
         self._stages.finished(stages, params)
         self._sums.finished(request, prefill_leg, delay, params)
+        self._identity.finished(request, prefill_leg, params)
         return delay, params
 
 

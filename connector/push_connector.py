@@ -8,6 +8,7 @@ these classes (``_extend``). What each feature does is in its module:
 - ``push_deadline``: a deadline on pushed KV, and withdrawals of registrations nobody will WRITE;
 - ``push_reuse``: a conversation's history that decode holds, offered to prefill and READ back;
 - ``idle_wait``: engines that sleep instead of stepping while they only wait for KV;
+- ``kv_identity``: prefill WRITEs only into a registration for the same prompt tokens;
 - ``kv_checksum``: digests of pushed KV, checked on landing (and of a history read back);
 - ``stages``: when each leg reached each stage (the request timeline);
 - ``transfer_order``: transfers that start before the forward pass where it blocks;
@@ -25,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import NixlPu
 
 from connector.idle_wait import IdleScheduler, IdleWorker
 from connector.kv_checksum import KvChecksums
+from connector.kv_identity import PushIdentityScheduler, PushIdentityWorker
 from connector.progressive import ProgressiveScheduler, ProgressiveWriter, WriterTask
 from connector.push_deadline import DeadlineScheduler, DeadlineWorker
 from connector.push_reuse import ReuseScheduler, ReuseWorker
@@ -43,6 +45,7 @@ class PushScheduler(NixlPushConnectorScheduler):
         self._idle = IdleScheduler(self, vllm_config)
         self._transfers = TransfersFirst()
         self._progressive = ProgressiveScheduler(self, settings.progressive)
+        self._identity = PushIdentityScheduler(self)
 
     def on_new_request(self, request):
         super().on_new_request(request)
@@ -61,12 +64,14 @@ class PushScheduler(NixlPushConnectorScheduler):
         self._reuse.allocated(request, blocks, num_external_tokens)
         self._stages.allocated(request, blocks, num_external_tokens, stage)
         self._progressive.allocated(request)
+        self._identity.allocated(request)
 
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
         self._idle.built(meta, scheduler_output)  # may sleep: only where the step computes and ships nothing
         self._transfers.built(meta, scheduler_output)
         self._progressive.built(meta, scheduler_output)
+        self._identity.built(meta)
         return meta
 
     def update_connector_output(self, connector_output):
@@ -77,6 +82,7 @@ class PushScheduler(NixlPushConnectorScheduler):
     def request_finished(self, request, block_ids):
         stages = self._stages.finishing(request)
         registration = self._deadline.finishing(request)
+        self._identity.finishing(request)
         delay, params = super().request_finished(request, block_ids)
         self._deadline.withdraw_if_unlanded(request, registration)
         self._reuse.finished(request, params)
@@ -105,11 +111,13 @@ class PushWorker(NixlPushConnectorWorker):
                                               pop_done=partial(NixlPushConnectorWorker._pop_done_transfers, self))
         self._deadline = DeadlineWorker(self, may_release=self._progressive.may_release)
         self._reuse = ReuseWorker(self)
+        self._identity = PushIdentityWorker(self)
         self._idle = IdleWorker(self)  # replaces vLLM's queues with waking ones; the others read them through us
 
     # ---------------------------------------------------------------- the engine's main thread, each step
     def start_load_kv(self, metadata):
         self._idle.loading(metadata)
+        self._identity.loading(metadata)  # before vLLM hands the finished blocks to the writer thread
         reads = self._reuse.take_history_reads(metadata)
         self._progressive.loading(metadata)
         self._deadline.loading(metadata)
@@ -123,7 +131,9 @@ class PushWorker(NixlPushConnectorWorker):
     def get_transfer_results(self):
         self._deadline.fail_expired_receives(time.time())  # queued as failed: reported by the call below
         self._progressive.poll()
-        return super().get_transfer_results()
+        results = super().get_transfer_results()
+        self._identity.release(results)
+        return results
 
     def _get_new_notifs(self):
         # Ours, taken out before vLLM parses the rest as "<request id>:<tp size>" (connector.side_notifs).
@@ -163,11 +173,14 @@ class PushWorker(NixlPushConnectorWorker):
     def _do_start_push_kv(self, request_id, local_block_ids, registration_data):
         if isinstance(local_block_ids, WriterTask):  # ours, queued where vLLM's writer thread runs it
             return local_block_ids.run()
+        self._identity.matched(request_id, registration_data)
         if (self._deadline.may_write(request_id, registration_data)
                 and self._progressive.before_last_write(request_id, registration_data)):
             super()._do_start_push_kv(request_id, local_block_ids, registration_data)
 
     def _xfer_blocks_for_req(self, req_id, meta):
+        if not self._identity.may_write(req_id, meta):
+            return None
         if not self._checks.writing(req_id, meta):  # the sums of every block, chunks' included
             return None
         self._clock.writing(req_id, meta)

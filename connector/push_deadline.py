@@ -21,7 +21,9 @@ fails that receive as at its expiry: the blocks go back in a step. A leg that ne
 prefill's engine (cancelled in a router's queue, or while its replica prepared it) is unknown
 there; so decode, when it aborts a request still waiting for its KV, withdraws the registration
 (the same notification with ``DROP_KEY``, sent after it by the same writer thread): prefill
-then treats that leg as aborted, and answers as above unless the WRITE has begun.
+then treats that leg as aborted, and answers as above unless the WRITE has begun. A registration that
+names other tokens than the leg's prompt (``connector.kv_identity``) is answered the same way, with the
+reason.
 
 Composed into vLLM's push scheduler and worker by ``connector.push_connector``.
 """
@@ -38,7 +40,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import get_base_req
 
 from connector.feature import Feature
 from connector.params import WRITE_MARGIN_S, kv_timeout_of
+from connector.kv_identity import refused
 from connector.side_notifs import WONT_WRITE_NOTIF, take
+from connector.stages import KvFailure
 
 logger = logging.getLogger("vllm.rendezvous")  # under vllm: the engine processes log it
 
@@ -121,8 +125,13 @@ class DeadlineWorker(Feature):
     def take_notifs(self) -> None:
         """Before vLLM reads the step's notifications: prefill's won't-write notices."""
         for notif in take(self._pending_completion_notifs, WONT_WRITE_NOTIF):
-            req_id = notif[len(WONT_WRITE_NOTIF):].decode(errors="replace")
+            # "<request id>", or "<request id> kv_mismatch": the registration names other tokens (connector.kv_identity).
+            req_id, _, why = notif[len(WONT_WRITE_NOTIF):].decode(errors="replace").partition(" ")
             if req_id in self._recving_metadata and req_id not in self._recving_transfers:
+                if why == KvFailure.MISMATCH.value:
+                    refused(req_id, "prefill's leg computed other tokens")
+                    self._recv_expiry[req_id] = 0.0
+                    continue
                 logger.info("prefill will not WRITE %s (its leg was aborted, or a chunk WRITE failed): decode's blocks "
                             "go back now", req_id)
                 self._recv_expiry[req_id] = 0.0  # failed at the next step, as at its expiry

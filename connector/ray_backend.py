@@ -32,6 +32,7 @@ from ray.llm._internal.serve.engines.vllm.kv_transfer.base import (
 from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
 
 from connector.engine_env import SETTINGS_KEY, EngineSettings, engine_env
+from connector.faults import injected_fault
 from connector.params import (
     CONNECTOR_CLASS,
     REUSE_KEY,
@@ -58,6 +59,22 @@ def _one_token(prefill: Any) -> None:
     clamp_request_to_single_token(prefill)
     if getattr(prefill, "min_tokens", 0):
         prefill.min_tokens = 0
+
+
+def _misrouted(prefill: Any) -> None:
+    """Test-only fault (``connector.faults``, ``misroute``): the prefill leg gets another prompt (rotated by one
+    character, one token id, or the last message's first character), as a handoff that paired two requests would."""
+    if injected_fault() != "misroute":
+        return
+    prompt, messages = getattr(prefill, "prompt", None), getattr(prefill, "messages", None)
+    if isinstance(prompt, (str, list)) and len(prompt) > 1:
+        prefill.prompt = prompt[1:] + prompt[:1]
+    elif messages and isinstance(messages[-1].get("content"), str) and len(messages[-1]["content"]) > 1:
+        content = messages[-1]["content"]
+        messages[-1] = {**messages[-1], "content": content[1:] + content[:1]}
+    else:
+        return
+    logger.warning("fault injection: request %s's prefill leg computes another prompt than decode's", prefill.request_id)
 
 
 def _reuse(request: Any) -> bool:
@@ -129,6 +146,7 @@ class NixlPushBackend(_RendezvousNixlBackend):
         prefill.request_id = request.request_id
         prefill.kv_transfer_params = push_prefill_params(reuse=_reuse(request))
         _one_token(prefill)
+        _misrouted(prefill)
         return prefill
 
     def prepare_decode_request(self, *, request, peer, prefill_response):
@@ -148,6 +166,7 @@ class NixlPullBackend(DefaultPDProtocolMixin, _RendezvousNixlBackend):
         prefill = super().prepare_prefill_request(request=request, peer=peer)
         prefill.kv_transfer_params = pull_prefill_params()
         _one_token(prefill)
+        _misrouted(prefill)
         return prefill
 
 

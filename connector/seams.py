@@ -131,6 +131,7 @@ _DEADLINE = ("connector/push_deadline.py",)
 _STAGES = ("connector/stages.py",)
 _CHECKSUM = ("connector/kv_checksum.py",)
 _PULL_SUMS = ("connector/pull_checksum.py",)
+_IDENTITY = ("connector/kv_identity.py",)
 _READ_DEADLINE = ("connector/pull_deadline.py",)
 _ORDER = ("connector/transfer_order.py",)
 _PROGRESSIVE = ("connector/progressive.py",)
@@ -167,8 +168,9 @@ SEAMS: list[Seam] = [
                              "request_finished", "build_connector_meta", "on_new_request"), "method", _PUSH_CONN,
            "override the scheduler-side connector hooks (same signatures); tests/unit/connector/test_upstream_calls_our_hooks.py "
            "proves vLLM calls each", checked_by=T_IDLE),
-    Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE,
-         "stamp each registration with an expiry and add the reuse offer before vLLM sends it", checked_by=T_PUSH),
+    Seam("vllm", _PUSH_S, "_push_pending_registrations", "instance", _DEADLINE + _REUSE + _IDENTITY,
+         "stamp each registration with an expiry, its prompt's digest and the reuse offer before vLLM sends it",
+         checked_by=T_PUSH),
     *_each("vllm", _PUSH_S, ("_push_registration_deadlines", "_finished_request_blocks"), "instance", _IDLE,
            "tell what the engine waits for (registrations awaiting a push; blocks to WRITE)", checked_by=T_IDLE),
     Seam("vllm", _BASE_S, "_reqs_need_recv", "instance", _REUSE,
@@ -187,10 +189,14 @@ SEAMS: list[Seam] = [
                              "_get_new_notifs", "_xfer_blocks_for_req", "_pop_done_transfers", "_do_send_reg_notif"),
            "method", _PUSH_CONN, "override the worker's transfer steps (same signatures); "
            "tests/unit/connector/test_upstream_calls_our_hooks.py proves vLLM calls each", checked_by=T_PUSH),
-    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance", _DEADLINE + _STAGES + _CHECKSUM + _PROGRESSIVE,
-           "send decode's agents the WRITE's start, the KV's sums and an aborted leg (nixl_wrapper.send_notif, as vLLM "
-           "sends its PUSH_REG)",
+    *_each("vllm", _PUSH_W, ("_remote_agents", "nixl_wrapper"), "instance",
+           _DEADLINE + _STAGES + _CHECKSUM + _PROGRESSIVE + _IDENTITY,
+           "send decode's agents the WRITE's start, the KV's sums, an aborted leg and a refused one "
+           "(nixl_wrapper.send_notif, as vLLM sends its PUSH_REG)",
            checked_by=T_PUSH),
+    *_each("vllm", _PUSH_W, ("_reqs_to_send", "_reqs_to_process"), "instance", _IDENTITY,
+           "report a prefill leg whose WRITE was refused (its registration names other tokens) as done sending, as "
+           "vLLM reports a written one, so its blocks go back now", checked_by=T_PUSH),
     *_each("vllm", _PUSH_W, ("src_blocks_data", "num_regions", "num_blocks", "device_kv_caches", "_has_mamba",
                              "use_host_buffer", "host_xfer_buffers", "transfer_topo", "world_size", "tp_rank"),
            "instance", _CHECKSUM,

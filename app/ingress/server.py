@@ -3,7 +3,8 @@
 bodies for every HTTP error (FastAPI's own are ``{"detail": ...}``) and admission control
 (``app.routing.admission``: by expected time to first byte against ``ingress.ttft_slo_s``, under a hard
 ``max_in_flight``; a quick 429 with ``Retry-After`` instead of a queue that grows without bound),
-a queue deadline (503 and aborted on every engine; ``app.request.queue_deadline``), a request size limit (413), late binding of the decode replica in pull mode
+a queue deadline (503 and aborted on every engine; ``app.request.queue_deadline``), a request size limit (413),
+a completions prompt list split into one request per prompt (``app.ingress.prompt_list``), late binding of the decode replica in pull mode
 (``app.routing.late_binding``), one retry of a request whose decode replica died before its
 first chunk, an error event (not a cut connection) ending a stream that failed after it
 started, and, when ``ingress.api_key_env`` names an environment variable, bearer-token
@@ -36,6 +37,7 @@ from vllm.exceptions import VLLMClientError
 
 from app.config.args import IngressArgs
 from app.ingress import metrics
+from app.ingress.prompt_list import joined, split_prompts
 from app.ingress.readiness import RETRY_AFTER_S, ReadinessProbe
 from app.replica import heartbeat
 from app.request.envelope import (
@@ -335,6 +337,9 @@ class Ingress(OpenAiIngress):
         return _CallsKept(super()._get_configured_serve_handle(model_id))
 
     async def _process_llm_request(self, body, call_method: str, raw_request: Request | None = None) -> Response:
+        if call_method == "completions" and (parts := split_prompts(body)) is not None:
+            # One disaggregated request per prompt (app.ingress.prompt_list): one handoff carries one prompt's KV.
+            return await joined(parts, lambda part: self._process_llm_request(part, call_method, raw_request))
         deadline = getattr(getattr(raw_request, "state", None), "rendezvous_deadline", None)
         if deadline is None:
             return await self._answer(body, call_method, raw_request)

@@ -5,6 +5,9 @@ token, decode continues from the prompt's KV. Some requests need more of the pro
 than its KV, or could never be decoded; decode serves them alone (a local prefill),
 which answers them exactly as one engine would:
 
+* several prompts (a completions prompt list; the ingress splits one into a request per prompt,
+  ``app.ingress.prompt_list``, so only a caller that skips it gets here): the decode engine makes one
+  request of each, and a handoff carries one prompt's KV;
 * several sequences per prompt (``n`` or ``best_of`` above 1, beam search): each of the decode
   engine's sequences would register for the one prefill request's KV;
 * prompt logprobs (``prompt_logprobs``, or ``echo``, which asks for them as well):
@@ -34,6 +37,9 @@ def requested_output_tokens(request: Any) -> int | None:
 
 def decode_alone_reason(request: Any, prompt_tokens: int | None, max_model_len: int | None) -> str | None:
     """Why ``request`` must not get a prefill leg, or None if it may."""
+    prompt = getattr(request, "prompt", None)
+    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(p, int) for p in prompt):
+        return "several prompts"
     sequences = max(getattr(request, "n", None) or 1, getattr(request, "best_of", None) or 1)
     if sequences > 1 or getattr(request, "use_beam_search", False):
         return "several sequences"

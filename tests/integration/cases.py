@@ -323,3 +323,72 @@ def new_timelines(client, seen: int, count: int = 1, timeout_s: float = 30) -> l
         time.sleep(1)
     assert len(found) >= count, f"{len(found)} new timeline lines in the app log, not {count}"
     return found
+
+
+# Prompts of a completions prompt list (app.ingress.prompt_list): two long ones that differ from their first
+# sentence on (decoded from each other's KV, each answers the other: vLLM #52234's class) and a short one.
+PROMPT_LIST = [
+    "Ledger A.\n" + long_text(18) + "\nQuestion: which animal crossed river 6 in note 11? Answer:",
+    "Ledger B, reversed.\n" + long_text(22)[::-1] + "\nSo the last animal was the",
+    "One plus one is",
+]
+
+
+def assert_prompt_list_answered_prompt_by_prompt(client, ref: ReferenceEngine, *, token_ids: bool,
+                                                 stream: bool) -> None:
+    """A completions request with a list of prompts (strings, or ``token_ids`` lists) is answered as vLLM's server
+    answers it: choice ``i`` continues prompt ``i``, token-identical to one engine given that prompt alone, and
+    usage counts them all; streamed (``stream``), the choices' chunks interleave under one id, with one usage
+    chunk and one ``[DONE]``."""
+    tokenizer = ref.llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPT_LIST] if token_ids else PROMPT_LIST
+    expected = [ref.complete(p, MAX_TOKENS) for p in prompts]
+    body = {"prompt": prompts, "temperature": 0, "max_tokens": MAX_TOKENS}
+    if not stream:
+        r = client.post("/v1/completions", json={**body, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        answer = r.json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+        for i, (choice, want) in enumerate(zip(answer["choices"], expected)):
+            assert choice["prompt_token_ids"] == want.prompt_ids, f"prompt {i}: not its own prompt"
+            assert choice["token_ids"] == want.token_ids, (
+                f"prompt {i} of a list: {choice['text']!r}, one engine answers {want.text!r}")
+        usage = answer["usage"]
+    else:
+        texts, usage, ids, done = {}, None, set(), 0
+        with client.http.stream("POST", "/v1/completions",
+                                json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line == "data: [DONE]":
+                    done += 1
+                elif line.startswith("data: "):
+                    event = json.loads(line.removeprefix("data: "))
+                    assert "error" not in event, event
+                    ids.add(event["id"])
+                    if event.get("usage") and not event["choices"]:
+                        assert usage is None, "two usage chunks"
+                        usage = event["usage"]
+                    for choice in event["choices"]:
+                        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+        assert done == 1 and len(ids) == 1, f"{done} [DONE], ids {ids}"
+        assert texts == {i: want.text for i, want in enumerate(expected)}, texts
+    assert usage["prompt_tokens"] == sum(len(want.prompt_ids) for want in expected), usage
+    assert usage["completion_tokens"] == sum(len(want.token_ids) for want in expected), usage
+
+
+def assert_misrouted_kv_is_refused(client, ref: ReferenceEngine) -> None:
+    """KV identity (connector.kv_identity): with the test-only ``misroute`` fault on (``client.kv_fault``), one
+    request's prefill leg computes another prompt than decode's. Its KV lands clean (no checksum can see it) but
+    is of other tokens: decode refuses it before any byte moves and recomputes, so the answer is still
+    token-identical to one engine, counted as prefill="kv_mismatch", and the app log names it."""
+    case = Case("misroute", prompt="Identity drill.\n" + long_text(30) + "\nNote 9 says")
+    logged = lambda: sum("was computed from other tokens" in line  # noqa: E731
+                         for line in client.app.log_path.open(errors="replace"))
+    before = logged()
+    grown, _ = answered_under_fault(client, ref, case, "misroute", "kv_mismatch")
+    assert dict(grown) == {"kv_mismatch": 1}, dict(grown)
+    deadline = time.monotonic() + 10
+    while logged() <= before:
+        assert time.monotonic() < deadline, "no warning naming the refused KV in the app log"
+        time.sleep(1)

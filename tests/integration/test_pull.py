@@ -23,6 +23,8 @@ from tests.integration.cases import (
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_kv_deadline_recomputes,
     assert_kv_travelled,
+    assert_misrouted_kv_is_refused,
+    assert_prompt_list_answered_prompt_by_prompt,
     assert_stream_identical,
     assert_token_identical,
     assert_wrong_kv_is_caught,
@@ -77,6 +79,18 @@ def test_pulled_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(c
     read into their neighbours' slots (a mapping error), make decode recompute the prompt: the answer
     is still token-identical to one engine, counted as kv_mismatch."""
     assert_wrong_kv_is_caught(client, reference, fault)
+
+
+def test_kv_of_other_tokens_is_never_read(client, reference):
+    """connector.kv_identity: decode compares prefill's prompt digest with its own before it READs."""
+    assert_misrouted_kv_is_refused(client, reference)
+
+
+@pytest.mark.parametrize("token_ids, stream", [(False, False), (True, True)], ids=["strings", "token-ids-streamed"])
+def test_a_prompt_list_is_answered_prompt_by_prompt_as_vllm_answers_it(client, reference, token_ids, stream):
+    """Each prompt of a list was decoded from the first prompt's KV here (HTTP 200, wrong text) before the
+    ingress split lists into one request per prompt (app.ingress.prompt_list)."""
+    assert_prompt_list_answered_prompt_by_prompt(client, reference, token_ids=token_ids, stream=stream)
 
 
 def test_a_read_that_never_completes_is_given_up_at_its_deadline_and_recomputed_by_decode(client, reference):

@@ -36,6 +36,8 @@ from tests.integration.cases import (
     STREAMED,
     Case,
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
+    assert_misrouted_kv_is_refused,
+    assert_prompt_list_answered_prompt_by_prompt,
     assert_stream_identical,
     assert_token_identical,
     assert_wrong_kv_is_caught,
@@ -270,6 +272,16 @@ def test_pushed_kv_that_lands_wrong_is_caught_recomputed_by_decode_and_counted(c
     decode recomputes the prompt: the answer is still token-identical to one engine, and the request is
     counted as prefill="kv_mismatch"."""
     assert_wrong_kv_is_caught(client, reference, fault)
+
+
+def test_a_prefill_leg_of_other_tokens_is_never_written_into_decode(client, reference):
+    """connector.kv_identity: prefill's writer compares the registration's prompt digest with its leg's."""
+    assert_misrouted_kv_is_refused(client, reference)
+
+
+@pytest.mark.parametrize("token_ids, stream", [(True, False), (False, True)], ids=["token-ids", "strings-streamed"])
+def test_a_prompt_list_is_answered_prompt_by_prompt_as_vllm_answers_it(client, reference, token_ids, stream):
+    assert_prompt_list_answered_prompt_by_prompt(client, reference, token_ids=token_ids, stream=stream)
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.

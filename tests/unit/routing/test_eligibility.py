@@ -15,18 +15,21 @@ def chat(**kwargs) -> ChatCompletionRequest:
 
 
 def completion(**kwargs) -> CompletionRequest:
-    return CompletionRequest(model=MODEL, prompt="hi", **kwargs)
+    return CompletionRequest(model=MODEL, **{"prompt": "hi", **kwargs})
 
 
 @pytest.mark.parametrize("request_", [
     chat(max_tokens=16), chat(), chat(logprobs=True, top_logprobs=3), chat(min_tokens=4, max_tokens=8),
     completion(max_tokens=16), completion(logprobs=2), completion(echo=True), completion(n=1, best_of=1),
+    completion(prompt=[1, 2, 3]), completion(prompt=["one prompt in a list"]), completion(prompt=[[1, 2, 3]]),
 ], ids=repr)
 def test_ordinary_requests_get_a_prefill_leg(request_):
     assert decode_alone_reason(request_, prompt_tokens=100, max_model_len=4096) is None
 
 
 @pytest.mark.parametrize("request_, reason", [
+    (completion(prompt=["one", "two"]), "several prompts"),
+    (completion(prompt=[[1, 2], [3, 4]]), "several prompts"),
     (chat(n=2), "several sequences"),
     (completion(n=3), "several sequences"),
     (completion(best_of=2), "several sequences"),
