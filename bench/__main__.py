@@ -9,6 +9,8 @@
   timeline        where each request's time to first token goes, stage by stage, push vs pull
   overload        goodput at 1x, 2x and 4x of what the box sustains: fixed in-flight limit vs admission by TTFB,
                   streamed and whole answers; or a burst of whole answers at once (--burst)
+  parity          every OpenAI request shape, sent to each app config and to `vllm serve`: answers compared field by field
+  identity-cost   what the KV identity digest costs a request, by prompt length
 """
 
 from __future__ import annotations
@@ -129,6 +131,23 @@ def _overload(a: argparse.Namespace) -> int:
     return 1 if any(r["other_status"] for r in rows) else 0
 
 
+def _parity(a: argparse.Namespace) -> int:
+    from bench.parity import run_parity
+
+    out = Path(a.out or f"results/parity-{time.strftime('%Y%m%d-%H%M%S')}")
+    rows = run_parity(a.config or ["configs/local-cpu.yaml", "configs/local-cpu-pull.yaml"], out)
+    print((out / "summary.md").read_text())
+    return 0 if all(r["identical"] == r["shapes"] for r in rows) else 1
+
+
+def _identity_cost(a: argparse.Namespace) -> int:
+    from bench.identity_cost import run_identity_cost
+
+    for row in run_identity_cost(Path(a.out)):
+        print(f"{row['prompt_tokens']:>7} prompt tokens: {row['median_ms']:.3f} ms a side (p90 {row['p90_ms']:.3f})")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     from bench.profiles import PROFILES, Mode
 
@@ -213,6 +232,15 @@ def parser() -> argparse.ArgumentParser:
                    "after --client-timeout-s")
     s.add_argument("--out", help="report directory (default results/overload-<time>)")
     s.set_defaults(func=_overload)
+
+    s = sub.add_parser("parity", help="every OpenAI request shape against `vllm serve`; exit 1 if an answer differs")
+    s.add_argument("--config", action="append", help="app config (repeatable; default: the push and the pull CPU configs)")
+    s.add_argument("--out", help="report directory (default results/parity-<time>)")
+    s.set_defaults(func=_parity)
+
+    s = sub.add_parser("identity-cost", help="the KV identity digest's cost a request, by prompt length")
+    s.add_argument("--out", default="docs/results/kv-identity-cost.json")
+    s.set_defaults(func=_identity_cost)
     return p
 
 

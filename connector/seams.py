@@ -472,6 +472,20 @@ SEAMS: list[Seam] = [
          checked_by=_T + "test_ray_node_initialization_downloads_nothing_without_a_mirror"),
     Seam("ray", "ray.llm._internal.common.utils.cloud_utils", "is_remote_path", "import", ("app/replica/node_init.py",),
          "tell a cloud model path (downloaded by the node tasks) by Ray's own rule"),
+    # /tokenize and /detokenize (app/replica/tokenization.py): Ray 2.60 looks for vLLM 0.31's name of the server.
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "_app_state", "instance",
+         ("app/replica/tokenization.py",), "find the tokenization server vLLM built"),
+    Seam("ray", f"{_RLLM}.engines.vllm.vllm_engine:VLLMEngine", "_oai_serving_tokenization", "instance",
+         ("app/replica/tokenization.py",), "hand Ray's engine that server: Ray reads it under the name vLLM 0.32 "
+         "dropped (once it reads serving_tokenization, drop ours)",
+         snippet='state, "openai_serving_tokenization", None', checked_by="tests/unit/replica/test_tokenization.py::test_ray_looks_for_the_tokenization_server_under_a_name_vllm_dropped"),
+    Seam("vllm", "vllm.entrypoints.launchers.api_server.app_state", "init_app_state", "behaviour",
+         ("app/replica/tokenization.py",), "vLLM names its tokenization server state.serving_tokenization",
+         snippet="state.serving_tokenization = ServingTokenization(", checked_by="tests/unit/replica/test_tokenization.py::test_ray_looks_for_the_tokenization_server_under_a_name_vllm_dropped"),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "TokenizeRequest", "import", ("app/ingress/server.py",),
+         "take /tokenize's prompt or chat form, as vLLM's server does (Ray's route takes a prompt only)"),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "OpenAIHTTPException", "import", ("app/ingress/server.py",),
+         "answer the engine's refusals (Ray raises them as this) as vLLM's server words them"),
     # Metrics export (bench/engine_metrics.py): the test apps export every second, and gauges must outlive it.
     Seam("ray", "ray._private.telemetry.open_telemetry_metric_recorder:OpenTelemetryMetricRecorder",
          "_resolve_gauge_ttl_seconds", "method", ("bench/engine_metrics.py",),

@@ -52,6 +52,7 @@ from app.decode.serving import DecodeServing
 from app.replica import heartbeat
 from app.replica.prompts import load_tokenizer
 from app.replica.serve_logs import serve_log_targets_kept
+from app.replica.tokenization import serve_tokenization
 from app.replica.warmup import warm_up
 from app.request.deadlines import Deadlines
 from app.request.queue_deadline import engine_has_started
@@ -84,6 +85,7 @@ class DecodeServer(PDDecodeServer):
         os.environ[STAMPS_PID_ENV] = str(os.getpid())  # before the engine starts: its processes stamp to us
         with serve_log_targets_kept():  # the engine starts here (app.replica.serve_logs)
             await super().__init__(llm_config, prefill_server=prefill_server, **kwargs)
+        serve_tokenization(self.engine)  # /tokenize and /detokenize reach decode's engine (app.replica.tokenization)
         settings = PlanSettings(
             mode=TransferMode(mode),
             local_prefill_below_tokens=local_prefill_below_tokens,

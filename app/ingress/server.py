@@ -20,6 +20,7 @@ import asyncio
 import contextvars
 import dataclasses
 import hmac
+from http import HTTPStatus
 import json
 import logging
 import os
@@ -28,9 +29,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError
-from ray.llm._internal.serve.core.configs.openai_api_models import ChatCompletionRequest, CompletionRequest
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIHTTPException,
+    TokenizeRequest,
+)
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
@@ -54,12 +61,13 @@ from app.routing.late_binding import Prefilled
 
 logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
 
+# vLLM's server's names where it answers the same status (bad input, an unknown model), OpenAI's for ours.
 _ERROR_TYPES = {
-    400: "invalid_request_error",
+    400: "BadRequestError",
     401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
+    404: "NotFoundError",
+    405: "BadRequestError",
+    413: "BadRequestError",
     429: "rate_limit_error",
 }
 # The request models the endpoints parse (Ray Serve LLM's, vLLM's underneath).
@@ -68,14 +76,16 @@ GENERATION_PATHS = tuple(_REQUEST_MODELS)
 OPEN_PATHS = ("/health", "/ready")  # probes never carry the key
 
 
-def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None) -> JSONResponse:
+def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None,
+                 kind: str | None = None) -> JSONResponse:
+    """An OpenAI-style error body; ``kind``: its ``type``, if not the status's."""
     return JSONResponse(
         status_code=status,
         headers=headers,
         content={
             "error": {
                 "message": message,
-                "type": _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+                "type": kind or _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "server_error"),
                 "param": param,
                 "code": status,
             }
@@ -101,6 +111,21 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return openai_error(exc.status_code, str(exc.detail))
+
+    # The engine's refusals and the request models' as vLLM's server words them: Ray's handlers wrap the message
+    # ("Message: ..., Internal exception: ...") and name its own exception class as the type.
+    @app.exception_handler(OpenAIHTTPException)
+    async def _engine_error(request: Request, exc: OpenAIHTTPException) -> JSONResponse:
+        return openai_error(exc.status_code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        where = lambda error: ".".join(str(p) for p in error.get("loc", ()) if p != "body")  # noqa: E731
+        message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors) or "invalid request body"
+        # vLLM's server types a body it cannot parse by the status's phrase.
+        return openai_error(400, message, param=(where(errors[0]) or None) if errors else None,
+                            kind=HTTPStatus.BAD_REQUEST.phrase)
 
     @app.middleware("http")
     async def _admit(request: Request, call_next) -> Response:
@@ -304,6 +329,10 @@ class Ingress(OpenAiIngress):
 
     async def health(self) -> dict:
         return {"status": "ok"}
+
+    async def tokenize(self, body: TokenizeRequest, request: Request) -> Response:
+        """vLLM's ``/tokenize`` takes a prompt or chat messages; Ray's route takes a prompt only."""
+        return await super().tokenize(body, request)
 
     async def _get_response(self, *, body, call_method: str, raw_request: Request | None = None):
         """Upstream's call of the decode deployment, plus late binding (pull): when the

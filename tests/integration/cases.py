@@ -12,7 +12,8 @@ from app.request.timeline import RequestTimeline
 from bench.engine_metrics import counted_by, delta, settle
 from bench.profiles import kv_bytes_per_token
 from bench.timeline import read_timelines
-from tests.integration.reference import Generation, ReferenceEngine
+from bench.parity import compare, shapes
+from bench.reference import Generation, ReferenceServer
 
 MAX_TOKENS = 32
 _COLORS = ["red", "green", "blue", "amber", "violet", "white", "black"]
@@ -28,8 +29,7 @@ def long_text(sentences: int) -> str:
 
 def longest_prompt(reference, tokens: int) -> list[int]:
     """Exactly ``tokens`` prompt token ids: filler text, its last token repeated to the length."""
-    tokenizer = reference.llm.get_tokenizer()
-    ids = tokenizer.encode(long_text(tokens // 10))  # ~12 tokens a sentence: more than enough
+    ids = reference.encode(long_text(tokens // 10))  # ~12 tokens a sentence: more than enough
     assert len(ids) >= tokens // 2
     return (ids + [ids[-1]] * tokens)[:tokens]
 
@@ -54,7 +54,7 @@ class Case:
             body["return_token_ids"] = True
         return body
 
-    def reference(self, ref: ReferenceEngine, max_tokens: int = MAX_TOKENS) -> Generation:
+    def reference(self, ref: ReferenceServer, max_tokens: int = MAX_TOKENS) -> Generation:
         if self.messages is not None:
             return ref.chat(self.messages, max_tokens)
         return ref.complete(self.prompt, max_tokens)
@@ -121,7 +121,7 @@ def read_stream(response) -> str:
     return "".join(text)
 
 
-def assert_token_identical(client, ref: ReferenceEngine, case: Case) -> Generation:
+def assert_token_identical(client, ref: ReferenceServer, case: Case) -> Generation:
     expected = case.reference(ref)
     r = client.post(case.endpoint, json=case.body())
     assert r.status_code == 200, r.text
@@ -134,7 +134,7 @@ def assert_token_identical(client, ref: ReferenceEngine, case: Case) -> Generati
     return got
 
 
-def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
+def assert_stream_identical(client, ref: ReferenceServer, case: Case) -> None:
     expected = case.reference(ref)
     with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
         assert r.status_code == 200, r.read()
@@ -143,7 +143,7 @@ def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
     assert text == expected.text, f"{case.name} (streamed): {text!r} != {expected.text!r}"
 
 
-def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str, ranks: int = 1,
+def assert_kv_travelled(client, ref: ReferenceServer, config: str, writer: str, ranks: int = 1,
                         chunk_tokens: int | None = None) -> None:
     """One long request: exactly ``ranks`` NIXL transfers, each about the prompt's KV divided
     by ``ranks``, and the decode engine took every prompt token from them instead of recomputing.
@@ -209,7 +209,7 @@ def requests_by_prefill_path(client) -> Counter:
     return counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")
 
 
-def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceEngine) -> None:
+def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceServer) -> None:
     """The prefill leg computes the prompt and one token. ``min_tokens`` beyond 1 is the
     client's wish for decode's output: such a request is disaggregated like any other, and so
     is one asking for more output than the context holds (vLLM bounds it by the context; it
@@ -248,7 +248,7 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceE
     assert delta(engines, engines_before, "prefill", "e2e_request_latency_seconds_count") == 2
 
 
-def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
+def assert_wrong_kv_is_caught(client, ref: ReferenceServer, fault: str) -> None:
     """KV checksums (connector.kv_checksum, connector.pull_checksum): with the test-only ``fault`` on
     (``client.kv_fault``; ``apps.KvFaultSwitch``), one request's KV lands wrong; decode
     recomputes the prompt, so the answer is still token-identical to one engine, the request is
@@ -273,7 +273,7 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
         time.sleep(1)
 
 
-def answered_under_fault(client, ref: ReferenceEngine, case: Case, fault: str, counted_as: str) -> tuple[Counter, float]:
+def answered_under_fault(client, ref: ReferenceServer, case: Case, fault: str, counted_as: str) -> tuple[Counter, float]:
     """One request of ``case`` with the test-only ``fault`` on (``client.kv_fault``): token-identical to one engine
     all the same. Returns the app's requests by prefill path since just before it, once one shows as
     ``counted_as``, and how long the answer took."""
@@ -295,7 +295,7 @@ def answered_under_fault(client, ref: ReferenceEngine, case: Case, fault: str, c
     return grown, took
 
 
-def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, deadline_s: float) -> float:
+def assert_kv_deadline_recomputes(client, ref: ReferenceServer, fault: str, deadline_s: float) -> float:
     """With the test-only ``fault`` on (``client.kv_fault``) one request's KV never all lands; at the
     KV deadline (``deadline_s``) decode recomputes the prompt: the answer is still token-identical to
     one engine and the request is counted as prefill="kv_deadline", nothing else. Returns how long
@@ -325,59 +325,7 @@ def new_timelines(client, seen: int, count: int = 1, timeout_s: float = 30) -> l
     return found
 
 
-# Prompts of a completions prompt list (app.ingress.prompt_list): two long ones that differ from their first
-# sentence on (decoded from each other's KV, each answers the other: vLLM #52234's class) and a short one.
-PROMPT_LIST = [
-    "Ledger A.\n" + long_text(18) + "\nQuestion: which animal crossed river 6 in note 11? Answer:",
-    "Ledger B, reversed.\n" + long_text(22)[::-1] + "\nSo the last animal was the",
-    "One plus one is",
-]
-
-
-def assert_prompt_list_answered_prompt_by_prompt(client, ref: ReferenceEngine, *, token_ids: bool,
-                                                 stream: bool) -> None:
-    """A completions request with a list of prompts (strings, or ``token_ids`` lists) is answered as vLLM's server
-    answers it: choice ``i`` continues prompt ``i``, token-identical to one engine given that prompt alone, and
-    usage counts them all; streamed (``stream``), the choices' chunks interleave under one id, with one usage
-    chunk and one ``[DONE]``."""
-    tokenizer = ref.llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPT_LIST] if token_ids else PROMPT_LIST
-    expected = [ref.complete(p, MAX_TOKENS) for p in prompts]
-    body = {"prompt": prompts, "temperature": 0, "max_tokens": MAX_TOKENS}
-    if not stream:
-        r = client.post("/v1/completions", json={**body, "return_token_ids": True})
-        assert r.status_code == 200, r.text
-        answer = r.json()
-        assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
-        for i, (choice, want) in enumerate(zip(answer["choices"], expected)):
-            assert choice["prompt_token_ids"] == want.prompt_ids, f"prompt {i}: not its own prompt"
-            assert choice["token_ids"] == want.token_ids, (
-                f"prompt {i} of a list: {choice['text']!r}, one engine answers {want.text!r}")
-        usage = answer["usage"]
-    else:
-        texts, usage, ids, done = {}, None, set(), 0
-        with client.http.stream("POST", "/v1/completions",
-                                json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line == "data: [DONE]":
-                    done += 1
-                elif line.startswith("data: "):
-                    event = json.loads(line.removeprefix("data: "))
-                    assert "error" not in event, event
-                    ids.add(event["id"])
-                    if event.get("usage") and not event["choices"]:
-                        assert usage is None, "two usage chunks"
-                        usage = event["usage"]
-                    for choice in event["choices"]:
-                        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
-        assert done == 1 and len(ids) == 1, f"{done} [DONE], ids {ids}"
-        assert texts == {i: want.text for i, want in enumerate(expected)}, texts
-    assert usage["prompt_tokens"] == sum(len(want.prompt_ids) for want in expected), usage
-    assert usage["completion_tokens"] == sum(len(want.token_ids) for want in expected), usage
-
-
-def assert_misrouted_kv_is_refused(client, ref: ReferenceEngine) -> None:
+def assert_misrouted_kv_is_refused(client, ref: ReferenceServer) -> None:
     """KV identity (connector.kv_identity): with the test-only ``misroute`` fault on (``client.kv_fault``), one
     request's prefill leg computes another prompt than decode's. Its KV lands clean (no checksum can see it) but
     is of other tokens: decode refuses it before any byte moves and recomputes, so the answer is still
@@ -392,3 +340,12 @@ def assert_misrouted_kv_is_refused(client, ref: ReferenceEngine) -> None:
     while logged() <= before:
         assert time.monotonic() < deadline, "no warning naming the refused KV in the app log"
         time.sleep(1)
+
+
+def assert_answers_as_vllms_server(client, ref: ReferenceServer, conversational: set[str] = frozenset()) -> None:
+    """bench.parity: every OpenAI request shape, answered as ``vllm serve`` with the app's decode engine args
+    answers it, field by field; the shapes named in ``conversational`` as a conversation's first turn."""
+    results = [compare(client.http, ref, shape, shape.name in conversational) for shape in shapes(ref.encode)]
+    different = {r["shape"]: r["differences"][:3] for r in results if not r["identical"]}
+    assert not different, f"{len(different)} of {len(results)} shapes answered otherwise than vllm serve: {different}"
+    assert conversational <= {r["shape"] for r in results if r["conversation"]}

@@ -11,7 +11,7 @@ import pytest
 
 from app.tools.procs import orphaned_engines
 from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV
-from tests.integration.reference import ReferenceEngine
+from bench.reference import ReferenceServer
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
 # The apps of the tests export their metrics every second (Ray's floor) instead of every 10 s (Ray settings an
@@ -55,9 +55,8 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    # Its engine's ZeroMQ IPC sockets in the session's temporary directory, not left in /tmp.
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("reference-rpc")))
-        engine = ReferenceEngine(REFERENCE_CONFIG)
-    yield engine
-    engine.close()
+    """``vllm serve`` with the app's decode engine args (bench.reference); its log and IPC sockets in the session's
+    temporary directory."""
+    server = ReferenceServer(REFERENCE_CONFIG, tmp_path_factory.mktemp("reference"))
+    yield server
+    server.close()

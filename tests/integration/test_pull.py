@@ -22,9 +22,9 @@ from tests.integration.cases import (
     Case,
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_kv_deadline_recomputes,
+    assert_answers_as_vllms_server,
     assert_kv_travelled,
     assert_misrouted_kv_is_refused,
-    assert_prompt_list_answered_prompt_by_prompt,
     assert_stream_identical,
     assert_token_identical,
     assert_wrong_kv_is_caught,
@@ -86,11 +86,12 @@ def test_kv_of_other_tokens_is_never_read(client, reference):
     assert_misrouted_kv_is_refused(client, reference)
 
 
-@pytest.mark.parametrize("token_ids, stream", [(False, False), (True, True)], ids=["strings", "token-ids-streamed"])
-def test_a_prompt_list_is_answered_prompt_by_prompt_as_vllm_answers_it(client, reference, token_ids, stream):
-    """Each prompt of a list was decoded from the first prompt's KV here (HTTP 200, wrong text) before the
-    ingress split lists into one request per prompt (app.ingress.prompt_list)."""
-    assert_prompt_list_answered_prompt_by_prompt(client, reference, token_ids=token_ids, stream=stream)
+def test_every_request_shape_is_answered_as_vllms_own_server_answers_it(client, reference):
+    """bench.parity, on this app (late binding, two decode replicas): the chat shapes as conversations' first turns.
+    Prompt lists among them: each prompt after the first was decoded from the first prompt's KV here (HTTP 200,
+    wrong text) before the ingress split lists into one request per prompt (app.ingress.prompt_list)."""
+    assert_answers_as_vllms_server(client, reference, conversational={
+        "chat", "chat-logprobs", "chat-json-object", "chat-continue-final-message", "chat-stream"})
 
 
 def test_a_read_that_never_completes_is_given_up_at_its_deadline_and_recomputed_by_decode(client, reference):

@@ -35,9 +35,9 @@ from tests.integration.cases import (
     CASES,
     STREAMED,
     Case,
+    assert_answers_as_vllms_server,
     assert_decode_serves_alone_what_a_prefill_leg_cannot,
     assert_misrouted_kv_is_refused,
-    assert_prompt_list_answered_prompt_by_prompt,
     assert_stream_identical,
     assert_token_identical,
     assert_wrong_kv_is_caught,
@@ -48,7 +48,7 @@ from tests.integration.cases import (
     requests_by_prefill_path,
 )
 from tests.integration.cpu_quota import cpu_quota
-from tests.integration.reference import app_args
+from bench.reference import app_args
 from tests.integration.push import CHAT, COMPLETIONS, CONFIG, MODEL
 
 
@@ -279,9 +279,10 @@ def test_a_prefill_leg_of_other_tokens_is_never_written_into_decode(client, refe
     assert_misrouted_kv_is_refused(client, reference)
 
 
-@pytest.mark.parametrize("token_ids, stream", [(True, False), (False, True)], ids=["token-ids", "strings-streamed"])
-def test_a_prompt_list_is_answered_prompt_by_prompt_as_vllm_answers_it(client, reference, token_ids, stream):
-    assert_prompt_list_answered_prompt_by_prompt(client, reference, token_ids=token_ids, stream=stream)
+def test_every_request_shape_is_answered_as_vllms_own_server_answers_it(client, reference):
+    """bench.parity, on this app: three shapes as a conversation's first turn (its KV kept for a next turn). Prompt
+    lists among them, answered prompt by prompt (app.ingress.prompt_list)."""
+    assert_answers_as_vllms_server(client, reference, conversational={"completion", "chat", "stream-usage"})
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.

@@ -32,7 +32,7 @@ from tests.integration.cases import (
     requests_by_prefill_path,
 )
 from tests.integration.apps import EngineGauges
-from tests.integration.reference import app_args
+from bench.reference import app_args
 from tests.integration.push import CHAT, COMPLETIONS, CONFIG
 
 
