@@ -13,7 +13,8 @@ from bench.engine_metrics import counted_by, delta, settle
 from bench.profiles import kv_bytes_per_token
 from bench.timeline import read_timelines
 from bench.parity import compare, shapes
-from bench.reference import Generation, ReferenceServer
+from bench.reference import ReferenceServer
+from tests.integration.reference import Generation, ReferenceEngine
 
 MAX_TOKENS = 32
 _COLORS = ["red", "green", "blue", "amber", "violet", "white", "black"]
@@ -29,7 +30,8 @@ def long_text(sentences: int) -> str:
 
 def longest_prompt(reference, tokens: int) -> list[int]:
     """Exactly ``tokens`` prompt token ids: filler text, its last token repeated to the length."""
-    ids = reference.encode(long_text(tokens // 10))  # ~12 tokens a sentence: more than enough
+    tokenizer = reference.llm.get_tokenizer()
+    ids = tokenizer.encode(long_text(tokens // 10))  # ~12 tokens a sentence: more than enough
     assert len(ids) >= tokens // 2
     return (ids + [ids[-1]] * tokens)[:tokens]
 
@@ -54,7 +56,7 @@ class Case:
             body["return_token_ids"] = True
         return body
 
-    def reference(self, ref: ReferenceServer, max_tokens: int = MAX_TOKENS) -> Generation:
+    def reference(self, ref: ReferenceEngine, max_tokens: int = MAX_TOKENS) -> Generation:
         if self.messages is not None:
             return ref.chat(self.messages, max_tokens)
         return ref.complete(self.prompt, max_tokens)
@@ -121,7 +123,7 @@ def read_stream(response) -> str:
     return "".join(text)
 
 
-def assert_token_identical(client, ref: ReferenceServer, case: Case) -> Generation:
+def assert_token_identical(client, ref: ReferenceEngine, case: Case) -> Generation:
     expected = case.reference(ref)
     r = client.post(case.endpoint, json=case.body())
     assert r.status_code == 200, r.text
@@ -134,7 +136,7 @@ def assert_token_identical(client, ref: ReferenceServer, case: Case) -> Generati
     return got
 
 
-def assert_stream_identical(client, ref: ReferenceServer, case: Case) -> None:
+def assert_stream_identical(client, ref: ReferenceEngine, case: Case) -> None:
     expected = case.reference(ref)
     with client.http.stream("POST", case.endpoint, json=case.body(stream=True)) as r:
         assert r.status_code == 200, r.read()
@@ -143,7 +145,7 @@ def assert_stream_identical(client, ref: ReferenceServer, case: Case) -> None:
     assert text == expected.text, f"{case.name} (streamed): {text!r} != {expected.text!r}"
 
 
-def assert_kv_travelled(client, ref: ReferenceServer, config: str, writer: str, ranks: int = 1,
+def assert_kv_travelled(client, ref: ReferenceEngine, config: str, writer: str, ranks: int = 1,
                         chunk_tokens: int | None = None) -> None:
     """One long request: exactly ``ranks`` NIXL transfers, each about the prompt's KV divided
     by ``ranks``, and the decode engine took every prompt token from them instead of recomputing.
@@ -209,7 +211,7 @@ def requests_by_prefill_path(client) -> Counter:
     return counted_by(client.metrics.url, "ray_rendezvous_requests_total", "prefill")
 
 
-def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceServer) -> None:
+def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceEngine) -> None:
     """The prefill leg computes the prompt and one token. ``min_tokens`` beyond 1 is the
     client's wish for decode's output: such a request is disaggregated like any other, and so
     is one asking for more output than the context holds (vLLM bounds it by the context; it
@@ -248,7 +250,7 @@ def assert_decode_serves_alone_what_a_prefill_leg_cannot(client, ref: ReferenceS
     assert delta(engines, engines_before, "prefill", "e2e_request_latency_seconds_count") == 2
 
 
-def assert_wrong_kv_is_caught(client, ref: ReferenceServer, fault: str) -> None:
+def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
     """KV checksums (connector.kv_checksum, connector.pull_checksum): with the test-only ``fault`` on
     (``client.kv_fault``; ``apps.KvFaultSwitch``), one request's KV lands wrong; decode
     recomputes the prompt, so the answer is still token-identical to one engine, the request is
@@ -273,7 +275,7 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceServer, fault: str) -> None:
         time.sleep(1)
 
 
-def answered_under_fault(client, ref: ReferenceServer, case: Case, fault: str, counted_as: str) -> tuple[Counter, float]:
+def answered_under_fault(client, ref: ReferenceEngine, case: Case, fault: str, counted_as: str) -> tuple[Counter, float]:
     """One request of ``case`` with the test-only ``fault`` on (``client.kv_fault``): token-identical to one engine
     all the same. Returns the app's requests by prefill path since just before it, once one shows as
     ``counted_as``, and how long the answer took."""
@@ -295,7 +297,7 @@ def answered_under_fault(client, ref: ReferenceServer, case: Case, fault: str, c
     return grown, took
 
 
-def assert_kv_deadline_recomputes(client, ref: ReferenceServer, fault: str, deadline_s: float) -> float:
+def assert_kv_deadline_recomputes(client, ref: ReferenceEngine, fault: str, deadline_s: float) -> float:
     """With the test-only ``fault`` on (``client.kv_fault``) one request's KV never all lands; at the
     KV deadline (``deadline_s``) decode recomputes the prompt: the answer is still token-identical to
     one engine and the request is counted as prefill="kv_deadline", nothing else. Returns how long
@@ -325,7 +327,7 @@ def new_timelines(client, seen: int, count: int = 1, timeout_s: float = 30) -> l
     return found
 
 
-def assert_misrouted_kv_is_refused(client, ref: ReferenceServer) -> None:
+def assert_misrouted_kv_is_refused(client, ref: ReferenceEngine) -> None:
     """KV identity (connector.kv_identity): with the test-only ``misroute`` fault on (``client.kv_fault``), one
     request's prefill leg computes another prompt than decode's. Its KV lands clean (no checksum can see it) but
     is of other tokens: decode refuses it before any byte moves and recomputes, so the answer is still

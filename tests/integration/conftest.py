@@ -12,6 +12,7 @@ import pytest
 from app.tools.procs import orphaned_engines
 from bench.engine_metrics import EXPORT_INTERVAL_ENV, SERVE_STATUS_GAUGE_ENV
 from bench.reference import ReferenceServer
+from tests.integration.reference import ReferenceEngine
 
 REFERENCE_CONFIG = "configs/local-cpu.yaml"
 # The apps of the tests export their metrics every second (Ray's floor) instead of every 10 s (Ray settings an
@@ -55,8 +56,18 @@ def log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    """``vllm serve`` with the app's decode engine args (bench.reference); its log and IPC sockets in the session's
-    temporary directory."""
-    server = ReferenceServer(REFERENCE_CONFIG, tmp_path_factory.mktemp("reference"))
+    # Its engine's ZeroMQ IPC sockets in the session's temporary directory, not left in /tmp.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path_factory.mktemp("reference-rpc")))
+        engine = ReferenceEngine(REFERENCE_CONFIG)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def vllm_server(tmp_path_factory):
+    """``vllm serve`` with the app's decode engine args (bench.reference), for the parity checks only: up for the
+    test that asks it (an engine more on the box for the whole session slowed the cluster drills' restarts)."""
+    server = ReferenceServer(REFERENCE_CONFIG, tmp_path_factory.mktemp("vllm-serve"))  # short: vLLM's IPC paths
     yield server
     server.close()

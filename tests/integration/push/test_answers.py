@@ -279,10 +279,10 @@ def test_a_prefill_leg_of_other_tokens_is_never_written_into_decode(client, refe
     assert_misrouted_kv_is_refused(client, reference)
 
 
-def test_every_request_shape_is_answered_as_vllms_own_server_answers_it(client, reference):
+def test_every_request_shape_is_answered_as_vllms_own_server_answers_it(client, vllm_server):
     """bench.parity, on this app: three shapes as a conversation's first turn (its KV kept for a next turn). Prompt
     lists among them, answered prompt by prompt (app.ingress.prompt_list)."""
-    assert_answers_as_vllms_server(client, reference, conversational={"completion", "chat", "stream-usage"})
+    assert_answers_as_vllms_server(client, vllm_server, conversational={"completion", "chat", "stream-usage"})
 
 
 # Bad input gets an OpenAI-style 4xx JSON error, and the server keeps serving.
