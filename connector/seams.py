@@ -484,7 +484,7 @@ SEAMS: list[Seam] = [
          snippet="state.serving_tokenization = ServingTokenization(", checked_by="tests/unit/replica/test_tokenization.py::test_ray_looks_for_the_tokenization_server_under_a_name_vllm_dropped"),
     Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "TokenizeRequest", "import", ("app/ingress/server.py",),
          "take /tokenize's prompt or chat form, as vLLM's server does (Ray's route takes a prompt only)"),
-    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "OpenAIHTTPException", "import", ("app/ingress/server.py",),
+    Seam("ray", f"{_RLLM}.core.configs.openai_api_models", "OpenAIHTTPException", "import", ("app/ingress/errors.py",),
          "answer the engine's refusals (Ray raises them as this) as vLLM's server words them"),
     # Metrics export (bench/engine_metrics.py): the test apps export every second, and gauges must outlive it.
     Seam("ray", "ray._private.telemetry.open_telemetry_metric_recorder:OpenTelemetryMetricRecorder",

@@ -20,7 +20,6 @@ import asyncio
 import contextvars
 import dataclasses
 import hmac
-from http import HTTPStatus
 import json
 import logging
 import os
@@ -29,21 +28,19 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray.exceptions import RayActorError
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
-    OpenAIHTTPException,
     TokenizeRequest,
 )
 from ray.llm._internal.serve.core.ingress.ingress import DEFAULT_ENDPOINTS, OpenAiIngress, init
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
 from app.config.args import IngressArgs
 from app.ingress import metrics
+from app.ingress.errors import answer_errors_as_vllm, openai_error
 from app.ingress.prompt_list import joined, split_prompts
 from app.ingress.readiness import RETRY_AFTER_S, ReadinessProbe
 from app.replica import heartbeat
@@ -61,36 +58,10 @@ from app.routing.late_binding import Prefilled
 
 logger = logging.getLogger("ray.serve." + __name__)  # under ray.serve: its handlers write the replica logs
 
-# vLLM's server's names where it answers the same status (bad input, an unknown model), OpenAI's for ours.
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    401: "authentication_error",
-    404: "NotFoundError",
-    405: "BadRequestError",
-    413: "BadRequestError",
-    429: "rate_limit_error",
-}
 # The request models the endpoints parse (Ray Serve LLM's, vLLM's underneath).
 _REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 GENERATION_PATHS = tuple(_REQUEST_MODELS)
 OPEN_PATHS = ("/health", "/ready")  # probes never carry the key
-
-
-def openai_error(status: int, message: str, *, param: str | None = None, headers: dict | None = None,
-                 kind: str | None = None) -> JSONResponse:
-    """An OpenAI-style error body; ``kind``: its ``type``, if not the status's."""
-    return JSONResponse(
-        status_code=status,
-        headers=headers,
-        content={
-            "error": {
-                "message": message,
-                "type": kind or _ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "server_error"),
-                "param": param,
-                "code": status,
-            }
-        },
-    )
 
 
 def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None = None) -> FastAPI:
@@ -108,24 +79,7 @@ def make_app(args: IngressArgs | None = None, readiness: ReadinessProbe | None =
             state = await readiness.fresh()
             return JSONResponse(status_code=200 if state.ready else 503, content=state.body())
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return openai_error(exc.status_code, str(exc.detail))
-
-    # The engine's refusals and the request models' as vLLM's server words them: Ray's handlers wrap the message
-    # ("Message: ..., Internal exception: ...") and name its own exception class as the type.
-    @app.exception_handler(OpenAIHTTPException)
-    async def _engine_error(request: Request, exc: OpenAIHTTPException) -> JSONResponse:
-        return openai_error(exc.status_code, exc.message)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        where = lambda error: ".".join(str(p) for p in error.get("loc", ()) if p != "body")  # noqa: E731
-        message = "; ".join(f"{where(e) or 'body'}: {e.get('msg')}" for e in errors) or "invalid request body"
-        # vLLM's server types a body it cannot parse by the status's phrase.
-        return openai_error(400, message, param=(where(errors[0]) or None) if errors else None,
-                            kind=HTTPStatus.BAD_REQUEST.phrase)
+    answer_errors_as_vllm(app)
 
     @app.middleware("http")
     async def _admit(request: Request, call_next) -> Response:
