@@ -105,7 +105,7 @@ def answer_of(response) -> dict[str, Any]:
     if not response.headers.get("content-type", "").startswith("text/event-stream"):
         return {"status": 200, "body": _without(response.json())}
     choices: dict[int, dict[str, Any]] = {}
-    usage, usage_chunks, done, errors = None, 0, 0, []
+    usage, events, with_usage, last_has_usage, done, errors = None, 0, 0, False, 0, []
     for line in response.text.splitlines():
         if not line.startswith("data: "):
             continue
@@ -117,14 +117,27 @@ def answer_of(response) -> dict[str, Any]:
         if "error" in event:
             errors.append(event["error"].get("type"))
             continue
-        if event.get("usage"):
-            usage, usage_chunks = _without(event["usage"]), usage_chunks + 1
+        events += 1
+        last_has_usage = bool(event.get("usage"))
+        if last_has_usage:
+            usage, with_usage = _without(event["usage"]), with_usage + 1
         for choice in event.get("choices") or ():
             seen = choices.setdefault(choice["index"], {"text": "", "finish_reason": None})
             seen["text"] += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
             seen["finish_reason"] = choice.get("finish_reason") or seen["finish_reason"]
     return {"status": 200, "stream": {"choices": {str(k): v for k, v in sorted(choices.items())}, "usage": usage,
-                                      "usage_chunks": usage_chunks, "done": done, "errors": errors}}
+                                      "usage_in": _usage_in(events, with_usage, last_has_usage), "done": done,
+                                      "errors": errors}}
+
+
+def _usage_in(events: int, with_usage: int, last_has_usage: bool) -> str:
+    """Which chunks carry usage. Not how many: both servers merge tokens that pile up between two reads of the
+    engine's output into one chunk, so the count of chunks depends on the box's speed (CI saw 10 here, 13 in vLLM)."""
+    if with_usage == 0:
+        return "none"
+    if with_usage == events:
+        return "every chunk"
+    return "last chunk" if with_usage == 1 and last_has_usage else f"{with_usage} of {events} chunks"
 
 
 def _without(value: Any) -> Any:

@@ -47,7 +47,7 @@ def chunk(index: int, text: str, usage=None) -> str:
     return json.dumps({"id": "x", "choices": [{"index": index, "text": text}] if text else [], "usage": usage})
 
 
-def test_a_stream_is_compared_by_what_it_delivers_per_choice_its_usage_chunks_and_its_one_done():
+def test_a_stream_is_compared_by_what_it_delivers_per_choice_which_chunks_carry_usage_and_its_one_done():
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     interleaved = answer_of(response(200, stream=[chunk(1, "b"), chunk(0, "a"), chunk(0, "c"), chunk(0, "", usage), "[DONE]"]))
     ordered = answer_of(response(200, stream=[chunk(0, "a"), chunk(0, "c"), chunk(1, "b"), chunk(0, "", usage), "[DONE]"]))
@@ -57,6 +57,18 @@ def test_a_stream_is_compared_by_what_it_delivers_per_choice_its_usage_chunks_an
     twice = answer_of(response(200, stream=[chunk(0, "a"), chunk(0, "c"), chunk(1, "b"), chunk(0, "", usage), "[DONE]",
                                             "[DONE]"]))
     assert differences(twice, ordered) == [".stream.done: 2, vLLM 1"]
+
+
+def test_tokens_merged_into_fewer_chunks_are_the_same_stream_but_usage_in_other_chunks_is_not():
+    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    three = answer_of(response(200, stream=[chunk(0, "a", usage), chunk(0, "c", usage), chunk(0, "", usage), "[DONE]"]))
+    merged = answer_of(response(200, stream=[chunk(0, "ac", usage), chunk(0, "", usage), "[DONE]"]))
+    assert differences(merged, three) == []
+    assert three["stream"]["usage_in"] == "every chunk"
+    last_only = answer_of(response(200, stream=[chunk(0, "ac"), chunk(0, "", usage), "[DONE]"]))
+    assert differences(last_only, three) == [".stream.usage_in: \"last chunk\", vLLM \"every chunk\""]
+    none = answer_of(response(200, stream=[chunk(0, "ac"), "[DONE]"]))
+    assert none["stream"]["usage_in"] == "none"
 
 
 def test_every_shape_the_issue_names_is_sent():
