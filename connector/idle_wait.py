@@ -82,11 +82,24 @@ def idle_wait_s(statuses_and_pushed: list[tuple[RequestStatus, bool]], pending_p
     return WAIT_CAP_S
 
 
+def held_only_wait_s(statuses: list[RequestStatus]) -> float | None:
+    """Pull: how long an engine that computed nothing this step may sleep, or None (step on).
+
+    ``statuses``: each request the scheduler holds unfinished. vLLM keeps stepping while a finished request's blocks
+    wait for a peer's READ (prefill's prompt for decode; decode's conversation turn for prefill's read-back, 480 s):
+    nothing this engine does moves them; each step only drains the peer's notifications and checks expiries, so
+    those may come a cap late. Anything unfinished (a READ of ours, a heartbeat to send, a compute) steps as
+    upstream does: its READ completes without a signal."""
+    if any(not RequestStatus.is_finished(s) for s in statuses):
+        return None
+    return WAIT_CAP_S
+
+
 def ships_work(meta: Any, scheduler_output: Any) -> bool:
     """True if this step's RPC carries something the worker must act on now."""
     return bool(
         scheduler_output.finished_req_ids
-        or meta.reqs_to_recv or meta.reqs_to_send or meta.reqs_not_processed
+        or meta.reqs_to_recv or meta.reqs_to_save or meta.reqs_to_send or meta.reqs_not_processed
         or meta.push_registrations or meta.push_finished_blocks or meta.heartbeat_by_engine
     )
 
@@ -285,12 +298,37 @@ class IdleScheduler(Feature):
         # After a busy step, this idle one goes to the worker first: it starts polling then.
         was_idle, self._last_idle = self._last_idle, idle
         if idle and was_idle and self._wake is not None and self._wake.armed and not ships_work(meta, scheduler_output):
-            # Decode's registrations that await a push (vLLM clears do_remote_prefill once sent).
-            awaited = self._push_registration_deadlines
-            requests = [(r.status, rid in awaited) for rid, r in self._requests.items()]
-            timeout = idle_wait_s(requests, bool(self._finished_request_blocks))
+            timeout = self._timeout()
             if timeout is not None:
                 self._wake.wait(timeout)
+
+    def _timeout(self) -> float | None:
+        # Decode's registrations that await a push (vLLM clears do_remote_prefill once sent).
+        awaited = self._push_registration_deadlines
+        requests = [(r.status, rid in awaited) for rid, r in self._requests.items()]
+        return idle_wait_s(requests, bool(self._finished_request_blocks))
+
+
+class PullIdleScheduler(IdleScheduler):
+    """Pull: sleeps the engine core through steps that only hold finished requests' blocks for a peer's READ."""
+
+    UPSTREAM = frozenset()
+
+    def _timeout(self) -> float | None:
+        return held_only_wait_s([r.status for r in self._requests.values()])
+
+
+class PullIdleWorker(Feature):
+    """Pull: arms the engine core's waiting, and lets the RPC reader wait on its socket after an idle step (no writer
+    thread here: nothing this worker does while its engine sleeps)."""
+
+    def __init__(self, host) -> None:
+        super().__init__(host)
+        self._wake = WorkerWake(host.engine_id, host.vllm_config.parallel_config.data_parallel_rank)
+
+    def loading(self, metadata) -> None:
+        """Before vLLM's start_load_kv: whether the step computed nothing."""
+        self._wake.idle(getattr(metadata, IDLE_ATTR, False))
 
 
 class IdleWorker(Feature):

@@ -7,6 +7,7 @@ features in the order written in it. The features:
 - ``pull_deadline``: a deadline on each READ;
 - ``pull_history``: vLLM's own history read-back, kept to the turns that ask;
 - ``kv_identity``: decode READs only a KV computed from its own prompt's tokens;
+- ``idle_wait``: an engine that only holds finished requests' blocks for a peer's READ sleeps between steps;
 - ``stages`` and ``transfer_order``, as in push.
 """
 
@@ -17,6 +18,7 @@ import time
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
+from connector.idle_wait import PullIdleScheduler, PullIdleWorker
 from connector.kv_identity import PullIdentity
 from connector.nixl_progress import reads_cancel
 from connector.pull_checksum import PullSumsScheduler, PullSumsWorker
@@ -36,6 +38,11 @@ class PullScheduler(NixlPullConnectorScheduler):
         self._history = HistoryPullScheduler(self)
         self._transfers = TransfersFirst()
         self._identity = PullIdentity()
+        self._idle = PullIdleScheduler(self, vllm_config)
+
+    def on_new_request(self, request):
+        super().on_new_request(request)
+        self._idle.new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if self._history.read_tried(request) or self._identity.matched_tokens_refused(request):
@@ -52,6 +59,7 @@ class PullScheduler(NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         self._transfers.built(meta, scheduler_output)
         self._sums.built(meta, scheduler_output)
+        self._idle.built(meta, scheduler_output)  # may sleep: only where the step computes and ships nothing
         return meta
 
     def update_connector_output(self, connector_output):
@@ -67,6 +75,7 @@ class PullScheduler(NixlPullConnectorScheduler):
         self._stages.finished(stages, params)
         self._sums.finished(request, prefill_leg, delay, params)
         self._identity.finished(request, prefill_leg, params)
+        self._idle.finished(request)
         return delay, params
 
 
@@ -77,8 +86,10 @@ class PullWorker(NixlPullConnectorWorker):
         self._checks = PullSumsWorker(self, settings.kv_checksums, settings.kv_peer_tp_size)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self._deadline = ReadDeadline(self, settings.kv_timeout_s, reads_cancel(backends(extra)))
+        self._idle = PullIdleWorker(self)
 
     def start_load_kv(self, metadata):
+        self._idle.loading(metadata)
         self._checks.loading(metadata)
         super().start_load_kv(metadata)
 

@@ -269,6 +269,7 @@ SEAMS: list[Seam] = [
     *_per("vllm", f"{_META}:NixlConnectorMetadata", "instance", {
         "reqs_to_recv": _IDLE + _REUSE,
         "reqs_to_send": _IDLE,
+        "reqs_to_save": _IDLE,
         "reqs_not_processed": _IDLE + _DEADLINE,
         "push_registrations": _IDLE + _DEADLINE,
         "push_finished_blocks": _IDLE,
@@ -294,6 +295,10 @@ SEAMS: list[Seam] = [
          "subclass the pull scheduler (PullScheduler: our features composed in)"),
     Seam("vllm", _PULL_S, "request_finished", "method", _PULL_CONN,
          "keep history blocks only for the turns that ask; stamp prefill's stages", checked_by=T_PULL),
+    Seam("vllm", _PULL_S, "on_new_request", "method", _PULL_CONN,
+         "hold what the scheduler holds for the idle wait (released in request_finished)", checked_by=T_IDLE),
+    *_each("vllm", _PULL_W, ("vllm_config", "engine_id"), "instance", _IDLE,
+           "name the engine's wake channel from the pull worker"),
     Seam("vllm", _PULL_S, "get_num_new_matched_tokens", "method", _PULL_CONN,
          "ask for a prefill leg's history READ once: vLLM plans one READ per leg (marked so in its params), but asks "
          "again when the leg's tokens fall back to zero", snippet='params["_remote_blocks_processed"] = True'),

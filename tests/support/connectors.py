@@ -5,14 +5,17 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from connector.params import PeerIdentity
+from connector.pull_connector import PullScheduler
 from connector.push_connector import PushScheduler
 from connector.settings import ConnectorSettings
 
 
-def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") -> PushScheduler:
-    """The composed push scheduler, as an engine has it: vLLM's own scheduler built by vLLM's constructor (a
-    one-rank CPU engine's config, one full-attention KV cache group), then our features composed in
-    (``init_features``, as ``connector.vllm_connectors`` does). ``extra``: the ``kv_connector_extra_config``."""
+def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine",
+                   cls: type = PushScheduler) -> PushScheduler:
+    """The composed push scheduler (or ``cls``: ``PullScheduler``), as an engine has it: vLLM's own scheduler built by
+    vLLM's constructor (a one-rank CPU engine's config, one full-attention KV cache group), then our features
+    composed in (``init_features``, as ``connector.vllm_connectors`` does). ``extra``: the
+    ``kv_connector_extra_config``."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -30,9 +33,13 @@ def push_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") 
                                      get_total_num_kv_heads=lambda: 1, get_head_size=lambda: 8),
         max_concurrent_batches=1,
     )
-    scheduler = PushScheduler(vllm_config, engine_id, kv_cache_config)
+    scheduler = cls(vllm_config, engine_id, kv_cache_config)
     scheduler.init_features(ConnectorSettings.parse(extra), vllm_config)
     return scheduler
+
+
+def pull_scheduler(extra: dict | None = None, engine_id: str = "decode-engine") -> PullScheduler:
+    return push_scheduler(extra, engine_id, PullScheduler)
 
 
 # A prefill replica's published identity, as decode legs carry it.

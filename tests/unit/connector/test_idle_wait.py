@@ -21,6 +21,7 @@ from connector.idle_wait import (
     EngineWake,
     WorkerWake,
     _PollWhileDue,
+    held_only_wait_s,
     idle_wait_s,
     ships_work,
     rpc_reader,
@@ -51,8 +52,23 @@ def test_how_long_an_engine_that_computed_nothing_may_sleep(requests, push_work,
     assert idle_wait_s(requests, push_work) == expected
 
 
+@pytest.mark.parametrize(
+    "unfinished, expected",
+    [
+        ([], WAIT_CAP_S),  # only finished requests' blocks, held for a peer's READ: nothing here moves them
+        ([S.FINISHED_STOPPED], WAIT_CAP_S),
+        ([R], None),  # decode's own READ completes silently: step as upstream does
+        ([S.WAITING], None),  # waiting in the queue: its lease wants heartbeats, it may be scheduled
+        ([S.RUNNING], None),
+        ([S.FINISHED_STOPPED, R], None),
+    ],
+)
+def test_how_long_a_pull_engine_that_computed_nothing_may_sleep(unfinished, expected):
+    assert held_only_wait_s(unfinished) == expected
+
+
 def _meta(**fields):
-    base = dict(reqs_to_recv={}, reqs_to_send={}, reqs_not_processed=set(), push_registrations={},
+    base = dict(reqs_to_recv={}, reqs_to_save={}, reqs_to_send={}, reqs_not_processed=set(), push_registrations={},
                 push_finished_blocks={}, heartbeat_by_engine={})
     return SimpleNamespace(**{**base, **fields})
 
@@ -65,6 +81,7 @@ def _meta(**fields):
         ({"push_finished_blocks": {"r": [1]}}, set(), True),  # prefill's WRITE can start now
         ({"reqs_to_recv": {"r": 1}}, set(), True),
         ({"reqs_to_send": {"r": 1.0}}, set(), True),
+        ({"reqs_to_save": {"r": 1}}, set(), True),
         ({"reqs_not_processed": {"r"}}, set(), True),
         ({"heartbeat_by_engine": {"e": 1}}, set(), True),
         ({}, {"r"}, True),  # the worker must learn of finished requests
@@ -191,10 +208,10 @@ def test_the_writer_polls_only_while_the_engine_is_idle():
     assert worker.idle_now is False
 
 
-def _idle_scheduler(monkeypatch):
-    """The composed push scheduler (connector.push_connector: vLLM's own, with our features), its engine core's
-    wake channel stood in for (armed: a worker of ours has reached it): (scheduler, waits, lookups)."""
-    from tests.support.connectors import push_scheduler
+def _idle_scheduler(monkeypatch, mode="push"):
+    """The composed push (or pull) scheduler (connector.push_connector: vLLM's own, with our features), its engine
+    core's wake channel stood in for (armed: a worker of ours has reached it): (scheduler, waits, lookups)."""
+    from tests.support.connectors import pull_scheduler, push_scheduler
 
     waits, lookups = [], []
 
@@ -203,7 +220,8 @@ def _idle_scheduler(monkeypatch):
         return SimpleNamespace(armed=True, wait=waits.append)
 
     monkeypatch.setattr(EngineWake, "for_this_engine", for_this_engine)
-    return push_scheduler(engine_id="decode-engine"), waits, lookups
+    build = push_scheduler if mode == "push" else pull_scheduler
+    return build(engine_id="decode-engine"), waits, lookups
 
 
 def _step(scheduler, tokens):
@@ -260,6 +278,22 @@ def test_the_idle_decision_sees_the_requests_vllm_told_the_connector_of(monkeypa
     scheduler.request_finished(_request("d1", S.FINISHED_ABORTED), [])
     _step(scheduler, 0)
     assert waits == [WAIT_CAP_S, WAIT_CAP_S, POLL_CAP_S]  # nothing awaited: vLLM's loop blocks on its input
+
+
+def test_a_pull_engine_sleeps_only_while_it_holds_nothing_but_finished_requests_blocks(monkeypatch):
+    """PullScheduler: vLLM steps a pull engine as long as a finished request's blocks wait for a peer's READ (a
+    conversation turn kept for read-back: 480 s). Those steps sleep; any request of its own steps as upstream does."""
+    scheduler, waits, _ = _idle_scheduler(monkeypatch, "pull")
+    reading = _request("d1", R)
+    scheduler.on_new_request(reading)
+    _step(scheduler, 0), _step(scheduler, 0)
+    assert waits == []  # its READ completes silently: vLLM's steps find it
+    scheduler.request_finished(_request("d1", S.FINISHED_STOPPED), [])
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S]  # only kept blocks (or nothing) left: sleep, any engine input wakes it
+    scheduler.on_new_request(_request("d2", S.WAITING))
+    _step(scheduler, 0)
+    assert waits == [WAIT_CAP_S]
 
 
 class _EngineCore:

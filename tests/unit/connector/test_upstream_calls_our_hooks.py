@@ -46,7 +46,7 @@ HOOKS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     "pull": {
         "worker": ("_pop_done_transfers", "_read_blocks", "_read_blocks_for_req", "get_transfer_results", "start_load_kv"),
-        "scheduler": ("build_connector_meta", "get_num_new_matched_tokens", "request_finished",
+        "scheduler": ("build_connector_meta", "get_num_new_matched_tokens", "on_new_request", "request_finished",
                       "update_connector_output", "update_state_after_alloc"),
         "connector": ("build_connector_worker_meta",),
     },
