@@ -583,9 +583,18 @@ SEAMS: list[Seam] = [
            ("app/request/queue_deadline.py",), "find a request's engine states by its external id (queue deadline)"),
     Seam("vllm", "vllm.v1.engine.output_processor:RequestState", "is_prefilling", "instance", ("app/request/queue_deadline.py",),
          "tell a request with its first token out from one still waiting (queue deadline)"),
-    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "generate", "method", ("app/request/queue_deadline.py",),
-         "abort a whole answer's engine request by cancelling the task that awaits it",
+    Seam("vllm", "vllm.v1.engine.async_llm:AsyncLLM", "generate", "method",
+         ("app/request/queue_deadline.py", "app/decode/first_token.py"),
+         "abort a whole answer's engine request by cancelling the task that awaits it; note each request's first "
+         "token as the engine client hands its outputs out (wrapped on the instance)",
          snippet="except (asyncio.CancelledError, GeneratorExit):\n            if q is not None:\n                await self.abort("),
+    # A whole answer's first token, as vLLM's output processor timed it (app/decode/first_token.py; its wrap of
+    # AsyncLLM.generate is listed above). A rename reads as "not known": the timeline stamps the answer's end.
+    Seam("vllm", "vllm.outputs:RequestOutput", "metrics", "instance", ("app/decode/first_token.py",),
+         "read the request's stats off its final output", silent=True),
+    *_each("vllm", "vllm.v1.metrics.stats:RequestStateStats", ("arrival_time", "first_token_latency"), "attribute",
+           ("app/decode/first_token.py",), "the first token's wall-clock time: arrival plus first-token latency",
+           silent=True),
     Seam("ray", f"{_RLLM}.core.server.llm_server:LLMServer", "_maybe_add_request_id_to_request", "behaviour",
          ("app/decode/serving.py",), "reach both engines under our transfer id, not Serve's",
          checked_by=_T + "test_llm_server_keeps_an_explicitly_set_request_id"),

@@ -47,6 +47,7 @@ from ray.llm._internal.serve.core.server.llm_server import LLMServer
 from ray.llm._internal.serve.serving_patterns.prefill_decode.pd_server import PDDecodeServer
 
 from app.config.args import HandoffArgs, PullHistory
+from app.decode.first_token import FirstTokens
 from app.decode.metrics import DecodeMetrics
 from app.decode.serving import DecodeServing
 from app.replica import heartbeat
@@ -107,6 +108,7 @@ class DecodeServer(PDDecodeServer):
             backend=lambda: self._get_connector_backend(),
             vllm_config=self._vllm_config,
             engine_started=self._engine_started,
+            first_token_at=FirstTokens.watching(self._engine_client()).take,
         )
         self._stamps_socket = listen_for_decode_stamps(self._serving.engine_stamped)
         await warm_up(self, llm_config.model_id, "decode")

@@ -44,15 +44,16 @@ class DecodeServing:
     """A decode replica's requests (``chat``, ``completions``) and what it publishes for the router (``routing_stats``)."""
 
     def __init__(self, settings: PlanSettings, *, replica_id: str, tokenizer, deadlines: Deadlines, conversations,
-                 metrics, engine, push, prefill, backend, vllm_config, engine_started) -> None:
+                 metrics, engine, push, prefill, backend, vllm_config, engine_started, first_token_at) -> None:
         """``conversations``: ``app.config.args.ConversationArgs``, or None when conversations are off. The engine's
         side (``DecodeServer``'s): ``engine(endpoint, request, raw)`` generates on decode's own engine (Ray's
         ``LLMServer.chat``/``completions``), ``push(request, raw)`` runs Ray's push orchestration, ``prefill`` is the
         prefill deployment's streaming handle (pull legs; None in push), ``backend()`` the connector backend,
         ``vllm_config()`` the engine's config (None without one), ``engine_started(request_id)`` whether the engine
-        has a request's first token out."""
+        has a request's first token out, ``first_token_at(request_id)`` when it had (once; None: not known)."""
         self._settings, self._replica_id, self._tokenizer, self._metrics = settings, replica_id, tokenizer, metrics
         self._engine, self._vllm_config, self._engine_started = engine, vllm_config, engine_started
+        self._first_token_at = first_token_at
         self._ongoing = 0
         self._tokens_in_flight = 0
         self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
@@ -163,12 +164,16 @@ class DecodeServing:
         self._ongoing += 1
         self._tokens_in_flight += cost
         self._metrics.load(self._ongoing, self._tokens_in_flight)
-        started, first = time.monotonic(), None
+        started, first = time.time(), None
         try:
             async for chunk in gen:
                 if first is None and not isinstance(chunk, (Prefilled, QueueExpired, QueueDeadlineMoved)):
-                    first = time.monotonic() - started
-                    timeline.stamp(FIRST_TOKEN, time.time())
+                    now = time.time()
+                    # A whole answer comes after its last token: the engine noted its first (app.decode.first_token).
+                    engine_first = None if stream else self._first_token_at(served.fallback_request_id or request_id)
+                    first_at = engine_first if engine_first is not None and started <= engine_first <= now else now
+                    first = first_at - started
+                    timeline.stamp(FIRST_TOKEN, first_at)
                     if (picked := PREFILL_PICKS.take_picked_at(request_id)) is not None:
                         timeline.stamp(PREFILL_PICKED, picked)
                     timeline.route = served.route
@@ -189,7 +194,7 @@ class DecodeServing:
                 if failure:
                     logger.warning("request %s: its KV from prefill was not used (%s); decode recomputed the prompt",
                                    request_id, failure)
-                self._metrics.finished(prefilled_by, stream, first, time.monotonic() - started)
+                self._metrics.finished(prefilled_by, stream, first, time.time() - started)
                 moved = prefilled is not None and prefilled.entry_replica != self._replica_id
                 self._metrics.bound("late" if prefilled else "arrival", moved)
             if turn is not None:

@@ -105,7 +105,7 @@ def test_the_log_line_and_the_stage_labels_say_mode_and_route_as_plain_strings(m
     assert RequestTimeline.from_log_line(logged[0].replace('"fallback"', '"sideways"')) is None  # a route unknown here
 
 
-def _server_answering(chunks):
+def _server_answering(chunks, first_token_at=None):
     from tests.support.decode_server import decode_server
 
     async def remote(request, raw=None):
@@ -113,7 +113,7 @@ def _server_answering(chunks):
         for chunk in chunks:
             yield chunk
 
-    server = decode_server(push=remote)
+    server = decode_server(push=remote, first_token_at=first_token_at)
     return server
 
 
@@ -132,6 +132,36 @@ def test_decode_sends_its_timeline_before_a_whole_response_and_after_a_stream():
 
     streamed = _all(_server_answering(["a", "b"]), CompletionRequest(model="m", prompt="hi", stream=True))
     assert streamed[:2] == ["a", "b"] and isinstance(streamed[2], RequestTimeline) and streamed[2].stream
+
+
+def test_a_whole_answers_first_token_is_when_the_engine_had_it_not_when_the_answer_came():
+    """app.decode.first_token: a whole answer comes after its last token; the engine noted its first. A time the
+    engine could not have had it (before the request reached decode, after the answer) is not taken; a stream is
+    stamped as its first chunk comes."""
+    from tests.support.decode_server import decode_server
+
+    asked, received = [], []
+
+    async def remote(request, raw=None):
+        received.append(time.time())
+        await asyncio.sleep(0.05)
+        yield "response"
+
+    def answering(offset_s):
+        def first_token_at(request_id):
+            asked.append(request_id)
+            return received[-1] + offset_s
+        return decode_server(push=remote, first_token_at=first_token_at)
+
+    (timeline, _) = _all(answering(0.01), CompletionRequest(model="m", prompt="hi"))
+    assert timeline.stamps["first_token"] == received[-1] + 0.01  # the engine's: 40 ms before the answer came
+    assert len(asked) == 1 and asked[0].startswith("rdv-")
+    for implausible in (-1.0, 60.0):
+        (timeline, _) = _all(answering(implausible), CompletionRequest(model="m", prompt="hi"))
+        assert received[-1] + 0.04 <= timeline.stamps["first_token"] <= time.time()  # the answer's own time
+    asked.clear()
+    streamed = _all(answering(0.01), CompletionRequest(model="m", prompt="hi", stream=True))[-1]
+    assert asked == [] and streamed.stamps["first_token"] >= received[-1] + 0.04
 
 
 @pytest.mark.parametrize("failed", [None, "kv_deadline", "kv_failed"])
