@@ -39,10 +39,13 @@ _WORDS = "river fox stone cloud lantern meadow copper violin harbor maple".split
 # A handoff is drawn as its two parts (transfer, first_step) when the decode engine stamped them,
 # and push's transfer as its two (write_wait, write) when the WRITE's start came through.
 _SEGMENTS = ["route", "bind", "prefill_hop", "prefill_queue", "prefill_compute", "write_wait", "write", "transfer",
-             "first_step", "handoff", "local_prefill", "deliver"]
+             "schedule", "forward", "output", "first_step", "handoff", "local_prefill", "deliver"]
 _COLORS = dict(zip(_SEGMENTS, ["tab:gray", "tab:olive", "tab:cyan", "tab:orange", "tab:blue", "gold", "tab:red",
-                               "tab:red", "tab:pink", "tab:brown", "tab:purple", "tab:green"]))
-_DRAWN_AS_PARTS = {"handoff": ("transfer",), "transfer": ("write_wait", "write")}
+                               "tab:red", "lightpink", "hotpink", "mediumvioletred", "tab:pink", "tab:brown",
+                               "tab:purple", "tab:green"]))
+# A stage is drawn as its parts when all of them were stamped; decode's first step as schedule, forward, output.
+_DRAWN_AS_PARTS = {"handoff": ("transfer",), "transfer": ("write_wait", "write"),
+                   "first_step": ("schedule", "forward", "output")}
 # Drawn over the bars, not after them: it overlaps prefill_compute.
 _OVERLAY, _OVERLAY_COLOR = "streamed", "black"
 

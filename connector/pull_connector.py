@@ -57,6 +57,7 @@ class PullScheduler(NixlPullConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output):
         meta = super().build_connector_meta(scheduler_output)
+        self._stages.built(scheduler_output)
         self._transfers.built(meta, scheduler_output)
         self._sums.built(meta, scheduler_output)
         self._idle.built(meta, scheduler_output)  # may sleep: only where the step computes and ships nothing

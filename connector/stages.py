@@ -8,8 +8,8 @@ happens inside the engines it cannot. Their connector schedulers see it:
   in the ``kv_transfer_params`` of prefill's response under ``STAGES_KEY``, as the reuse
   report does.
 * decode: when the request's blocks were allocated for remote KV (push: registered with
-  prefill; pull: its READ started) and when the KV had landed (the worker reported the
-  receive complete), or that it never did: the load failed and vLLM recomputes the prompt
+  prefill; pull: its READ started), when the KV had landed (the worker reported the
+  receive complete) and when the step that computes its first token was scheduled, or that the KV never landed: the load failed and vLLM recomputes the prompt
   on decode (:class:`KvFailure`: past the KV's deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
   serving replica as datagrams, on an abstract UNIX socket named after that process
   (:func:`stamps_address`; the replica names itself in ``STAMPS_PID_ENV`` before its engine
@@ -64,6 +64,7 @@ class DecodeKvStamps:
     request_id: str  # the engine's id (connector.params.external_request_id gives the replica's)
     requested: float | None = None  # push: blocks registered with prefill; pull: READ started
     landed: float | None = None  # the worker reported the receive complete
+    scheduled: float | None = None  # then the step that computes its first token was scheduled
     write_started: float | None = None  # push: the prefill worker began its WRITE (its clock)
     failed: str | None = None  # a KvFailure value: the KV never landed, decode recomputes the prompt
     chunk_landed: float | None = None  # progressive push: a chunk WRITE landed (connector.progressive)...
@@ -82,7 +83,7 @@ class DecodeKvStamps:
         if not isinstance(request_id, str):
             return None
         failed = raw.get("failed")
-        return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "write_started")),
+        return cls(request_id, *(_seconds(raw.get(name)) for name in ("requested", "landed", "scheduled", "write_started")),
                    failed=failed if failed in {f.value for f in KvFailure} else None,
                    chunk_landed=_seconds(raw.get("chunk_landed")), chunk=_tokens(raw.get("chunk")))
 
@@ -131,8 +132,8 @@ class StageClock:
         # started: prefill leg -> (first allocation, prompt tokens, tokens it computes: less what it reads from
         # elsewhere, a conversation's history); requested: decode request -> when blocks were allocated for remote
         # KV; timeout: its KV deadline (seconds); blocks: decode request -> its block ids, to tell a failed load
-        # (vLLM reports invalid blocks) from a landed one.
-        self._stage_state: dict[str, Any] = {"started": {}, "requested": {}, "blocks": {}, "timeout": {}}
+        # (vLLM reports invalid blocks) from a landed one; landed: decode requests whose KV landed, not yet scheduled.
+        self._stage_state: dict[str, Any] = {"started": {}, "requested": {}, "blocks": {}, "timeout": {}, "landed": set()}
 
     @staticmethod
     def before_alloc(request) -> tuple[Any, bool]:
@@ -167,6 +168,17 @@ class StageClock:
                 send_stamps(DecodeKvStamps(request_id, requested=at, failed=failure.value))
             else:
                 send_stamps(DecodeKvStamps(request_id, requested=at, landed=now))
+                state["landed"].add(request_id)
+
+    def built(self, scheduler_output) -> None:
+        """In vLLM's build_connector_meta (before the step runs): a request whose KV landed is scheduled to compute
+        its first token (its last prompt token: vLLM loads the others)."""
+        landed = self._stage_state["landed"]
+        if landed:
+            scheduled, now = landed & scheduler_output.num_scheduled_tokens.keys(), time.time()
+            for request_id in scheduled:
+                send_stamps(DecodeKvStamps(request_id, scheduled=now))
+            landed -= scheduled
 
     def finishing(self, request) -> PrefillStages | None:
         """Before vLLM's request_finished (which rewrites the params): a prefill leg's stages."""
@@ -175,6 +187,7 @@ class StageClock:
         state["requested"].pop(request.request_id, None)  # never landed (aborted, expired)
         state["blocks"].pop(request.request_id, None)
         state["timeout"].pop(request.request_id, None)
+        state["landed"].discard(request.request_id)
         if not is_prefill_leg(request.kv_transfer_params):
             return None
         return PrefillStages(getattr(request, "arrival_time", None), started, None, prompt, computed)

@@ -1,18 +1,24 @@
-"""When decode's engine produced each request's first token, for answers that reach us whole.
+"""When decode's engine produced each request's first token: in the engine core, and out of vLLM's frontend.
 
 A non-streamed answer comes out of vLLM's OpenAI layer once, after its last token, so the replica cannot see its
-first token arrive. vLLM's output processor does: it notes the first token's time on the request's stats, which the
-final ``RequestOutput`` carries (``metrics``: arrival time and first-token latency, both on this process's wall clock).
-``FirstTokens`` watches the engine client's outputs for it, so that the request timeline's ``first_token`` and the
-TTFT the replica and the admission estimate learn from are the first token's, not the last one's. Where the engine
-keeps no stats (``disable_log_stats``), nothing is noted and the caller keeps its own stamp.
+first token arrive. vLLM's output processor does: it notes on the request's stats when the engine core built the
+output that carried the first token (``first_token_ts``: the core's monotonic clock, the same clock on one host) and
+when the frontend processed it (``arrival_time`` + ``first_token_latency``: this process's wall clock); the final
+``RequestOutput`` carries those stats (``metrics``). ``FirstTokens`` watches the engine client's outputs for them:
+
+* the request timeline's ``engine_output`` stamp, streamed or not (a stream's ``first_token`` is its first chunk);
+* a whole answer's ``first_token``, and so the TTFT the replica and the admission estimate learn from: the first
+  token's, not the last one's.
+
+Where the engine keeps no stats (``disable_log_stats``), nothing is noted and the caller keeps its own stamps.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from connector.params import external_request_id
 
@@ -22,17 +28,25 @@ logger = logging.getLogger("ray.serve")
 _KEPT = 4096
 
 
-def first_token_at(output: Any) -> float | None:
-    """Wall-clock time of ``output``'s request's first token (vLLM's ``RequestOutput``), or None (not out yet, or
-    the engine keeps no stats)."""
+class FirstToken(NamedTuple):
+    engine_at: float | None  # the engine core built the output with the first token (wall clock)
+    frontend_at: float  # vLLM's frontend, in this process, processed it (wall clock)
+
+
+def first_token_of(output: Any) -> FirstToken | None:
+    """``output``'s request's first token (vLLM's ``RequestOutput``), or None (not out yet, or no stats)."""
     stats = getattr(output, "metrics", None)
     latency = getattr(stats, "first_token_latency", 0.0)
-    return stats.arrival_time + latency if latency else None
+    if not latency:
+        return None
+    core_ts = getattr(stats, "first_token_ts", 0.0)
+    engine_at = time.time() - (time.monotonic() - core_ts) if core_ts else None
+    return FirstToken(engine_at, stats.arrival_time + latency)
 
 
 class FirstTokens:
     def __init__(self) -> None:
-        self._at: OrderedDict[str, float] = OrderedDict()
+        self._seen: OrderedDict[str, FirstToken] = OrderedDict()
 
     @classmethod
     def watching(cls, engine_client: Any) -> FirstTokens:
@@ -53,12 +67,12 @@ class FirstTokens:
 
     def note(self, output: Any) -> None:
         request_id = external_request_id(getattr(output, "request_id", "") or "")
-        if request_id in self._at or (at := first_token_at(output)) is None:
+        if request_id in self._seen or (first := first_token_of(output)) is None:
             return
-        self._at[request_id] = at
-        while len(self._at) > _KEPT:
-            self._at.popitem(last=False)
+        self._seen[request_id] = first
+        while len(self._seen) > _KEPT:
+            self._seen.popitem(last=False)
 
-    def take(self, request_id: str) -> float | None:
-        """The first token's time of our ``request_id`` (once), or None."""
-        return self._at.pop(request_id, None)
+    def take(self, request_id: str) -> FirstToken | None:
+        """Our ``request_id``'s first token (once), or None."""
+        return self._seen.pop(request_id, None)

@@ -108,7 +108,7 @@ class DecodeServer(PDDecodeServer):
             backend=lambda: self._get_connector_backend(),
             vllm_config=self._vllm_config,
             engine_started=self._engine_started,
-            first_token_at=FirstTokens.watching(self._engine_client()).take,
+            first_token=FirstTokens.watching(self._engine_client()).take,
         )
         self._stamps_socket = listen_for_decode_stamps(self._serving.engine_stamped)
         await warm_up(self, llm_config.model_id, "decode")

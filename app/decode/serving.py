@@ -25,7 +25,7 @@ from app.request.envelope import (
     conversation_id_of,
 )
 from app.request.queue_deadline import QueueDeadlineMoved, QueueExpired, before_queue_deadline, moving_queue_deadline
-from app.request.timeline import DECODE_PICKED, FIRST_TOKEN, PREFILL_PICKED, RECEIVED, RequestTimeline
+from app.request.timeline import DECODE_PICKED, ENGINE_OUTPUT, FIRST_TOKEN, PREFILL_PICKED, RECEIVED, RequestTimeline
 from app.routing.conversations import ConversationTable, Turn, continues_a_conversation
 from app.routing.eligibility import decode_alone_reason
 from app.routing.late_binding import Prefilled
@@ -44,16 +44,17 @@ class DecodeServing:
     """A decode replica's requests (``chat``, ``completions``) and what it publishes for the router (``routing_stats``)."""
 
     def __init__(self, settings: PlanSettings, *, replica_id: str, tokenizer, deadlines: Deadlines, conversations,
-                 metrics, engine, push, prefill, backend, vllm_config, engine_started, first_token_at) -> None:
+                 metrics, engine, push, prefill, backend, vllm_config, engine_started, first_token) -> None:
         """``conversations``: ``app.config.args.ConversationArgs``, or None when conversations are off. The engine's
         side (``DecodeServer``'s): ``engine(endpoint, request, raw)`` generates on decode's own engine (Ray's
         ``LLMServer.chat``/``completions``), ``push(request, raw)`` runs Ray's push orchestration, ``prefill`` is the
         prefill deployment's streaming handle (pull legs; None in push), ``backend()`` the connector backend,
         ``vllm_config()`` the engine's config (None without one), ``engine_started(request_id)`` whether the engine
-        has a request's first token out, ``first_token_at(request_id)`` when it had (once; None: not known)."""
+        has a request's first token out, ``first_token(request_id)`` when it had (``app.decode.first_token.FirstToken``,
+        once; None: not known)."""
         self._settings, self._replica_id, self._tokenizer, self._metrics = settings, replica_id, tokenizer, metrics
         self._engine, self._vllm_config, self._engine_started = engine, vllm_config, engine_started
-        self._first_token_at = first_token_at
+        self._first_token = first_token
         self._ongoing = 0
         self._tokens_in_flight = 0
         self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
@@ -170,8 +171,13 @@ class DecodeServing:
                 if first is None and not isinstance(chunk, (Prefilled, QueueExpired, QueueDeadlineMoved)):
                     now = time.time()
                     # A whole answer comes after its last token: the engine noted its first (app.decode.first_token).
-                    engine_first = None if stream else self._first_token_at(served.fallback_request_id or request_id)
-                    first_at = engine_first if engine_first is not None and started <= engine_first <= now else now
+                    noted = self._first_token(served.fallback_request_id or request_id)
+                    first_at = now
+                    if noted is not None:
+                        if not stream and started <= noted.frontend_at <= now:
+                            first_at = noted.frontend_at
+                        if noted.engine_at is not None and started <= noted.engine_at <= now:
+                            timeline.stamp(ENGINE_OUTPUT, noted.engine_at)
                     first = first_at - started
                     timeline.stamp(FIRST_TOKEN, first_at)
                     if (picked := PREFILL_PICKS.take_picked_at(request_id)) is not None:

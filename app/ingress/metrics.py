@@ -83,7 +83,7 @@ def stage_seconds() -> Histogram:
         description="Seconds each stage of a request took, by transfer mode and stage (app/request/timeline.py): route "
         "(decode_pick + decode_hop), bind, prefill_pick, prefill_hop, prefill_queue, prefill_compute, register, handoff "
         "(KV to decode and its first step: transfer + first_step; push's transfer = write_wait + write, pull's ends with "
-        "read), streamed (progressive push: the first chunk WRITE landed to prefill's end, overlapping prefill_compute), "
+        "read; first_step = schedule + forward + output), streamed (progressive push: the first chunk WRITE landed to prefill's end, overlapping prefill_compute), "
         "local_prefill, deliver (first token to the client), ttft.",
         boundaries=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64],
         tag_keys=("mode", "stage"),

@@ -4,8 +4,9 @@ Each party stamps what it sees, in wall-clock seconds (time.time()): the ingress
 decode router (the pick, carried to the decode replica on the request: ``app.request.envelope.DECODE_PICKED_AT``),
 the decode replica (received, legs sent, prefill's answer in, first token out of its engine; its prefill router's
 pick: ``envelope.PREFILL_PICKS``), the prefill engine (the leg queued, started, finished: in prefill's response) and
-the decode engine (KV asked for and landed, and push's WRITE start that prefill's worker told it: datagrams to its
-replica); see ``connector.stages``. The decode replica sends its stamps to the ingress at the end of a stream
+the decode engine (KV asked for and landed, its first step scheduled, and push's WRITE start that prefill's worker
+told it: datagrams to its replica; that step's output, as vLLM's output processor times it:
+``app.decode.first_token``); see ``connector.stages``. The decode replica sends its stamps to the ingress at the end of a stream
 (before the response when not streamed) as a :class:`RequestTimeline`; the ingress adds its own, exports each
 stage's duration (``rendezvous_stage_seconds``) and logs the whole timeline as one JSON line (``LOG_MARKER``),
 which ``python -m bench timeline`` reads.
@@ -38,6 +39,8 @@ KV_REQUESTED = "kv_requested"  # decode engine: blocks allocated (push: register
 FIRST_CHUNK_LANDED = "first_chunk_landed"  # progressive push: decode engine: the first chunk WRITE landed
 WRITE_STARTED = "write_started"  # push: prefill's worker began the WRITE (via decode's engine)
 KV_LANDED = "kv_landed"  # decode engine: the KV is all there
+FIRST_SCHEDULED = "first_scheduled"  # decode engine: the step that computes its first token scheduled
+ENGINE_OUTPUT = "engine_output"  # decode engine: that step's output (its first token) out of the engine core
 FIRST_TOKEN = "first_token"  # decode replica: first output from its engine
 FIRST_CHUNK = "first_chunk"  # ingress: first chunk to the client
 
@@ -60,14 +63,17 @@ STAGES: dict[str, tuple[str, str]] = {
     "write_wait": (PREFILL_FINISHED, WRITE_STARTED),  # ... push: until the writer thread starts the WRITE
     "write": (WRITE_STARTED, KV_LANDED),  # ... push: the WRITE, its notification, decode's engine seeing it
     "read": (KV_REQUESTED, KV_LANDED),  # ... pull: the READ and decode's engine seeing it done
-    "first_step": (KV_LANDED, FIRST_TOKEN),  # ... decode's first step, its output to the replica
+    "first_step": (KV_LANDED, FIRST_TOKEN),  # ... decode's first step, its output to the replica:
+    "schedule": (KV_LANDED, FIRST_SCHEDULED),  # ... the scheduler learned the KV landed, then scheduled it
+    "forward": (FIRST_SCHEDULED, ENGINE_OUTPUT),  # ... the step (its last prompt token) and its output built
+    "output": (ENGINE_OUTPUT, FIRST_TOKEN),  # ... engine core -> vLLM's frontend -> OpenAI layer -> replica
     "local_prefill": (RECEIVED, FIRST_TOKEN),  # decode prefilled it itself (route local/fallback)
     "deliver": (FIRST_TOKEN, FIRST_CHUNK),  # decode replica -> ingress -> client
     "ttft": (ARRIVED, FIRST_CHUNK),
 }
 # Stages that only make sense on one kind of route.
 _REMOTE_ONLY = {"bind", "prefill_hop", "prefill_pick", "prefill_queue", "prefill_compute", "register", "handoff", "transfer",
-                "streamed", "write_wait", "write", "read", "first_step"}
+                "streamed", "write_wait", "write", "read", "first_step", "schedule", "forward", "output"}
 _LOCAL_ONLY = {"local_prefill"}
 # Pull registers nothing: its blocks are allocated after prefill answered, then it READs.
 _MODE_ONLY = {"register": TransferMode.PUSH, "streamed": TransferMode.PUSH, "write_wait": TransferMode.PUSH,
@@ -104,7 +110,7 @@ class RequestTimeline:
     def add_decode_kv_stamps(self, stamps: DecodeKvStamps) -> None:
         """The decode engine's own stamps, whichever this datagram carries."""
         for name, value in ((KV_REQUESTED, stamps.requested), (WRITE_STARTED, stamps.write_started),
-                            (KV_LANDED, stamps.landed)):
+                            (KV_LANDED, stamps.landed), (FIRST_SCHEDULED, stamps.scheduled)):
             if value is not None:
                 self.stamp(name, value)
         if stamps.chunk_landed is not None:  # datagrams from several ranks, in any order: the earliest counts

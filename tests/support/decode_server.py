@@ -10,11 +10,12 @@ import types
 
 def decode_server(local_below: int = 0, prompt_tokens: int | None = 5, *, mode: str = "push", late_binding: bool = False,
                   conversations=None, timeout_s: float = 30.0, tokenizer=None, engine=None, push=None,
-                  first_token_at=None):
+                  first_token=None):
     """A ``DecodeServing`` (what ``DecodeServer`` builds once its engine is up) with stand-ins for the engine's side:
     decode's own engine (``engine``; by default it answers ``local-chunk``), Ray's push orchestration (``push``; by
     default it records what it was given and answers ``remote-chunk``), when the engine had a request's first token
-    (``first_token_at(request_id)``; by default not known), an engine config of 4096 tokens. Every prompt
+    (``first_token(request_id)``: an ``app.decode.first_token.FirstToken``; by default not known), an engine config
+    of 4096 tokens. Every prompt
     is ``prompt_tokens`` long (None: as ``tokenizer`` counts it). It records the requests pushed (``seen``), the load
     while one is (``load``), the route each finished request took (``paths``) and the turns counted (``turns``)."""
     from app.decode.serving import DecodeServing
@@ -49,7 +50,7 @@ def decode_server(local_below: int = 0, prompt_tokens: int | None = 5, *, mode: 
         settings, replica_id="decode-1", tokenizer=tokenizer, deadlines=deadlines, conversations=conversations,
         metrics=metrics, engine=engine or local, push=push or remote, prefill=None, backend=lambda: None,
         vllm_config=lambda: engine_config, engine_started=lambda request_id: False,
-        first_token_at=first_token_at or (lambda request_id: None),
+        first_token=first_token or (lambda request_id: None),
     )
     server.paths, server.seen, server.load, server.turns = paths, seen, load, turns
     if prompt_tokens is not None:

@@ -121,13 +121,14 @@ def test_the_longest_prompt_allowed_is_pushed_every_time_at_full_and_at_half_cpu
 
 def test_every_stage_of_a_request_is_timed_in_order(client):
     """app.request.timeline: each request's stamps in the order it passes them (one host, one
-    clock), one log line per request, and the stage histogram on a live scrape."""
+    clock), one log line per request, and the stage histogram on a live scrape. A whole answer's first token is its
+    engine's, before the answer (app.decode.first_token)."""
     seen = len(logged_timelines(client))
     for stream in (False, True):
         r = client.post("/v1/completions", json={**CASE_BY_NAME["completion-long"].body(max_tokens=4), "stream": stream})
         assert r.status_code == 200
     order = ["arrived", "decode_picked", "decode_received", "legs_sent", "prefill_queued", "prefill_started",
-             "prefill_finished", "kv_landed", "first_token", "first_chunk"]
+             "prefill_finished", "kv_landed", "first_scheduled", "engine_output", "first_token", "first_chunk"]
     for timeline in new_timelines(client, seen, count=2)[-2:]:
         stamps = [timeline.stamps.get(name) for name in order]
         assert None not in stamps, timeline
@@ -144,7 +145,8 @@ def test_every_stage_of_a_request_is_timed_in_order(client):
                   if labels.get("mode") == "push"}
         time.sleep(1)
     assert {"route", "decode_pick", "decode_hop", "bind", "prefill_pick", "prefill_hop", "prefill_queue", "prefill_compute",
-            "register", "handoff", "transfer", "write_wait", "write", "first_step", "deliver", "ttft"} <= set(stages)
+            "register", "handoff", "transfer", "write_wait", "write", "first_step", "schedule", "forward", "output",
+            "deliver", "ttft"} <= set(stages)
     sums = {labels["stage"]: value for labels, value in samples_named(client.metrics.url, "ray_rendezvous_stage_seconds_sum")
             if labels.get("mode") == "push"}
     assert all(v >= 0 for v in sums.values()) and sums["ttft"] >= sums["handoff"]

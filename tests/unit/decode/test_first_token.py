@@ -10,7 +10,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor, RequestOutputCollector
 from vllm.v1.metrics.stats import IterationStats
 
-from app.decode.first_token import FirstTokens, first_token_at
+from app.decode.first_token import FirstTokens, first_token_of
 
 STEP_S = 0.05
 
@@ -50,8 +50,10 @@ def test_a_whole_answers_first_token_is_its_first_steps_time_not_its_last():
     sent = time.time()
     (output,), answered = asyncio.run(_answer(client, "cmpl-rdv-abc-0", tokens=4))
     assert output.finished
-    at = first_tokens.take("rdv-abc")  # our id: without the endpoint's prefix and the prompt's index
-    assert at is not None and sent + STEP_S * 0.9 <= at <= answered - 2 * STEP_S
+    first = first_tokens.take("rdv-abc")  # our id: without the endpoint's prefix and the prompt's index
+    assert first is not None and sent + STEP_S * 0.9 <= first.frontend_at <= answered - 2 * STEP_S
+    # The engine core's monotonic stamp, on the wall clock: here the same moment (the "core" is this process).
+    assert first.engine_at is not None and abs(first.engine_at - first.frontend_at) < 0.02
     assert first_tokens.take("rdv-abc") is None  # once
 
 
@@ -59,7 +61,7 @@ def test_without_the_engines_stats_nothing_is_noted():
     client = EngineClient(log_stats=False)
     first_tokens = FirstTokens.watching(client)
     (output,), _ = asyncio.run(_answer(client, "cmpl-rdv-abc-0", tokens=2))
-    assert first_token_at(output) is None and first_tokens.take("rdv-abc") is None
+    assert first_token_of(output) is None and first_tokens.take("rdv-abc") is None
 
 
 def test_an_engine_client_without_generate_leaves_the_callers_stamp():
@@ -74,4 +76,4 @@ def test_first_tokens_never_taken_do_not_pile_up():
             self.request_id, self.metrics = f"cmpl-rdv-{i}-0", type("S", (), {"arrival_time": 1.0, "first_token_latency": 0.5})
     for i in range(5000):
         first_tokens.note(Output(i))
-    assert first_tokens.take("rdv-0") is None and first_tokens.take("rdv-4999") == 1.5
+    assert first_tokens.take("rdv-0") is None and first_tokens.take("rdv-4999") == (None, 1.5)

@@ -45,6 +45,12 @@ REMOTE = {
          {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
           "register": 0.02, "handoff": 0.2, "transfer": 0.1, "write_wait": 0.03, "write": 0.07, "first_step": 0.1,
           "deliver": 0.01, "ttft": 2.31}),
+        # Decode's first step, split: scheduled after the KV landed, the engine core's output, on to the replica.
+        ("remote", {**REMOTE, "kv_requested": 100.05, "kv_landed": 102.2, "first_scheduled": 102.21,
+                    "engine_output": 102.28},
+         {"route": 0.01, "bind": 0.02, "prefill_hop": 0.01, "prefill_queue": 0.06, "prefill_compute": 2.0,
+          "register": 0.02, "handoff": 0.2, "transfer": 0.1, "first_step": 0.1, "schedule": 0.01, "forward": 0.07,
+          "output": 0.02, "deliver": 0.01, "ttft": 2.31}),
         # The routers' picks split the route and the prefill hop.
         ("remote", {**REMOTE, "decode_picked": 100.004, "prefill_picked": 100.032},
          {"route": 0.01, "decode_pick": 0.004, "decode_hop": 0.006, "bind": 0.02, "prefill_hop": 0.01,
@@ -105,7 +111,7 @@ def test_the_log_line_and_the_stage_labels_say_mode_and_route_as_plain_strings(m
     assert RequestTimeline.from_log_line(logged[0].replace('"fallback"', '"sideways"')) is None  # a route unknown here
 
 
-def _server_answering(chunks, first_token_at=None):
+def _server_answering(chunks):
     from tests.support.decode_server import decode_server
 
     async def remote(request, raw=None):
@@ -113,7 +119,7 @@ def _server_answering(chunks, first_token_at=None):
         for chunk in chunks:
             yield chunk
 
-    server = decode_server(push=remote, first_token_at=first_token_at)
+    server = decode_server(push=remote)
     return server
 
 
@@ -136,8 +142,9 @@ def test_decode_sends_its_timeline_before_a_whole_response_and_after_a_stream():
 
 def test_a_whole_answers_first_token_is_when_the_engine_had_it_not_when_the_answer_came():
     """app.decode.first_token: a whole answer comes after its last token; the engine noted its first. A time the
-    engine could not have had it (before the request reached decode, after the answer) is not taken; a stream is
-    stamped as its first chunk comes."""
+    engine could not have had it (before the request reached decode, after the answer) is not taken; a stream's first
+    token is its first chunk. Either way the engine core's output of it is stamped (engine_output)."""
+    from app.decode.first_token import FirstToken
     from tests.support.decode_server import decode_server
 
     asked, received = [], []
@@ -148,20 +155,22 @@ def test_a_whole_answers_first_token_is_when_the_engine_had_it_not_when_the_answ
         yield "response"
 
     def answering(offset_s):
-        def first_token_at(request_id):
+        def first_token(request_id):
             asked.append(request_id)
-            return received[-1] + offset_s
-        return decode_server(push=remote, first_token_at=first_token_at)
+            return FirstToken(engine_at=received[-1] + offset_s - 0.002, frontend_at=received[-1] + offset_s)
+        return decode_server(push=remote, first_token=first_token)
 
     (timeline, _) = _all(answering(0.01), CompletionRequest(model="m", prompt="hi"))
     assert timeline.stamps["first_token"] == received[-1] + 0.01  # the engine's: 40 ms before the answer came
+    assert timeline.stamps["engine_output"] == received[-1] + 0.008
     assert len(asked) == 1 and asked[0].startswith("rdv-")
     for implausible in (-1.0, 60.0):
         (timeline, _) = _all(answering(implausible), CompletionRequest(model="m", prompt="hi"))
         assert received[-1] + 0.04 <= timeline.stamps["first_token"] <= time.time()  # the answer's own time
-    asked.clear()
+        assert "engine_output" not in timeline.stamps
     streamed = _all(answering(0.01), CompletionRequest(model="m", prompt="hi", stream=True))[-1]
-    assert asked == [] and streamed.stamps["first_token"] >= received[-1] + 0.04
+    assert streamed.stamps["first_token"] >= received[-1] + 0.04  # its first chunk's time
+    assert streamed.stamps["engine_output"] == received[-1] + 0.008
 
 
 @pytest.mark.parametrize("failed", [None, "kv_deadline", "kv_failed"])
@@ -234,6 +243,9 @@ class _Staged:
         self.host.update_connector_output(connector_output)
         self.stages.output(connector_output)
 
+    def build_connector_meta(self, scheduler_output):
+        self.stages.built(scheduler_output)
+
     def request_finished(self, request, block_ids):
         stages = self.stages.finishing(request)
         delay, params = self.host.request_finished(request, block_ids)
@@ -267,7 +279,7 @@ def test_the_prefill_engine_reports_queued_started_finished_for_a_leg():
 
 def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_why_it_never_did(monkeypatch):
     """Decode side of connector.stages: one datagram per request whose KV landed, read by
-    the serving process's listener; one naming the failure for a request whose load failed
+    the serving process's listener, and one when the step that computes its first token is scheduled; one naming the failure for a request whose load failed
     (vLLM reports its blocks invalid and recomputes it): past push's KV deadline, or not;
     a request that was aborted sends nothing."""
     import connector.stages as stages
@@ -304,10 +316,15 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
         clock[0] += 1.0
         scheduler.update_connector_output(SimpleNamespace(finished_recving={names[0], names[1], names[2]},
                                                           invalid_block_ids={21}))  # 3's transfer failed
+        clock[0] += 0.25
+        scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"other": 5}))  # 1 not scheduled yet
+        clock[0] += 0.25
+        scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={names[0]: 1, names[2]: 64}))
+        scheduler.build_connector_meta(SimpleNamespace(num_scheduled_tokens={names[0]: 1}))  # its first step counts
         clock[0] += 60.0
         scheduler.update_connector_output(SimpleNamespace(finished_recving={names[3]}, invalid_block_ids={30, 31}))
         for _ in range(100):
-            if len(heard) == 3:
+            if len(heard) == 4:
                 break
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.05)
@@ -315,11 +332,12 @@ def test_the_decode_engine_sends_when_its_remote_kv_was_asked_for_and_landed_or_
         sock.close()
         return heard
 
-    heard = sorted(asyncio.run(run()), key=lambda s: s.request_id)
-    assert [(s.request_id, s.requested, s.landed, s.failed) for s in heard] == [
-        ("chatcmpl-rdv-1", 1000.0, 1001.0, None),
-        ("chatcmpl-rdv-3", 1000.0, None, "kv_failed"),
-        ("chatcmpl-rdv-4", 1000.0, None, "kv_deadline"),
+    heard = sorted(asyncio.run(run()), key=lambda s: (s.request_id, s.scheduled or 0))
+    assert [(s.request_id, s.requested, s.landed, s.scheduled, s.failed) for s in heard] == [
+        ("chatcmpl-rdv-1", 1000.0, 1001.0, None, None),
+        ("chatcmpl-rdv-1", None, None, 1001.5, None),  # the step computing its first token, once (3 recomputes)
+        ("chatcmpl-rdv-3", 1000.0, None, None, "kv_failed"),
+        ("chatcmpl-rdv-4", 1000.0, None, None, "kv_deadline"),
     ]
     assert heard[0].write_started is None
     assert stages.DecodeKvStamps.from_wire(b"not json") is None
