@@ -3,7 +3,8 @@
 ``import_path: app.aggregated:build_aggregated_app`` (configs/local-cpu-aggregated.yaml).
 It reads the same ``args`` as the disaggregated app and runs the *decode* role's settings
 (replicas, cpus, env, engine_kwargs on top of the shared ones) with no KV transfer, behind
-Ray Serve LLM's stock OpenAI ingress. ``mode``, ``prefill``, ``nixl`` and ``routing`` mean
+Ray Serve LLM's stock OpenAI ingress; its server is Ray's own, its streams' first chunk sent at once as the decode
+servers send theirs (``app.replica.streaming``). ``mode``, ``prefill``, ``nixl`` and ``routing`` mean
 nothing here, so a config that sets them is rejected.
 """
 
@@ -17,6 +18,8 @@ from connector.engine_env import SETTINGS_KEY, EngineSettings
 from connector.ports import Role
 
 IGNORED_KEYS = ("mode", "prefill", "nixl", "routing")
+# Ray Serve LLM's server, streaming as the decode servers do (app.replica.streaming): a fair baseline.
+AGGREGATED_SERVER = "app.replica.streaming:AggregatedServer"
 
 
 def aggregated_llm_config(args: AppArgs, model_source: str) -> dict[str, Any]:
@@ -31,7 +34,8 @@ def aggregated_llm_config(args: AppArgs, model_source: str) -> dict[str, Any]:
     settings = EngineSettings.from_dict(experimental.pop(SETTINGS_KEY))
     # As configured: no KV transfer, and no conversations here to turn the prefix cache on for.
     engine_kwargs = args.engine_kwargs_for(Role.DECODE)
-    config = {**config, "engine_kwargs": engine_kwargs, "runtime_env": {"env_vars": dict(settings.env)}}
+    config = {**config, "engine_kwargs": engine_kwargs, "runtime_env": {"env_vars": dict(settings.env)},
+              "server_cls": AGGREGATED_SERVER}
     if experimental:
         config["experimental_configs"] = experimental
     return config

@@ -29,7 +29,8 @@ carries out what ``app.routing.planner`` decides; it adds:
   it retains, published for the router through Serve's ``record_routing_stats`` hook,
   and counted in metrics.
 
-It runs two short sampled generations on its engine before it takes traffic, as the prefill
+A stream's first chunk goes out as soon as the engine has it, not at Ray's first batching tick
+(``app.replica.streaming``). It runs two short sampled generations on its engine before it takes traffic, as the prefill
 server does (``app.replica.warmup``): a fresh engine's first sampled generation is seconds slower on CPU.
 
 The requests themselves are carried out by ``app.decode.serving.DecodeServing``, which ``DecodeServer``
@@ -53,6 +54,7 @@ from app.decode.serving import DecodeServing
 from app.replica import heartbeat
 from app.replica.prompts import load_tokenizer
 from app.replica.serve_logs import serve_log_targets_kept
+from app.replica.streaming import StreamsFirstChunkAtOnce
 from app.replica.tokenization import serve_tokenization
 from app.replica.warmup import warm_up
 from app.request.deadlines import Deadlines
@@ -67,7 +69,7 @@ from connector.stages import STAMPS_PID_ENV, listen_for_decode_stamps
 register_backends()
 
 
-class DecodeServer(PDDecodeServer):
+class DecodeServer(StreamsFirstChunkAtOnce, PDDecodeServer):
     async def __init__(
         self,
         llm_config,

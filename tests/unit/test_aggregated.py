@@ -24,7 +24,10 @@ def test_aggregated_config_is_the_decode_role_without_kv_transfer():
 
     from ray.llm._internal.serve.core.configs.llm_config import LLMConfig
 
-    LLMConfig.model_validate(llm)
+    validated = LLMConfig.model_validate(llm)
+    from app.replica.streaming import AggregatedServer
+
+    assert validated.server_cls is AggregatedServer  # streams as the decode servers do (app.replica.streaming)
 
 
 def test_aggregated_engine_kwargs_match_the_push_config():
