@@ -9,8 +9,9 @@ happens inside the engines it cannot. Their connector schedulers see it:
   report does.
 * decode: when the request's blocks were allocated for remote KV (push: registered with
   prefill; pull: its READ started), when the KV had landed (the worker reported the
-  receive complete) and when the step that computes its first token was scheduled, or that the KV never landed: the load failed and vLLM recomputes the prompt
-  on decode (:class:`KvFailure`: past the KV's deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
+  receive complete) and when the step that computes its first token was scheduled; or that
+  the KV never landed: the load failed and vLLM recomputes the prompt on decode
+  (:class:`KvFailure`: past the KV's deadline, or a failed transfer). Decode's response carries no params when streamed, so these go to the
   serving replica as datagrams, on an abstract UNIX socket named after that process
   (:func:`stamps_address`; the replica names itself in ``STAMPS_PID_ENV`` before its engine
   starts); a replica that does not listen loses nothing but the stamps.
