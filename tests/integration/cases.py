@@ -269,7 +269,10 @@ def assert_wrong_kv_is_caught(client, ref: ReferenceEngine, fault: str) -> None:
         assert time.monotonic() < deadline, "the mismatch was not counted as prefill=kv_mismatch"
         time.sleep(1)
     assert counted() == before + 1
-    deadline = time.monotonic() + 10
+    # The engine worker's lines reach the app log through Ray's log forwarding, which held a decode worker's lines
+    # 20-38 s in a full-suite run of 2026-12-07 (they came out with that worker's next request's; the counter above
+    # had it at once). The log says what happened; how fast Ray forwards it is a finding in the session notes.
+    deadline = time.monotonic() + 45
     while client.kv_mismatches_logged() < client.kv_faults_injected:
         assert time.monotonic() < deadline, "no warning naming the mismatch in the app log"
         time.sleep(1)
