@@ -58,20 +58,35 @@ class FirstTokens:
             return first_tokens
 
         async def generate_noting_first_token(*args, **kwargs):
+            noted = False  # once per request: a stream's later outputs carry the same stats
             async for output in generate(*args, **kwargs):
-                first_tokens.note(output)
+                noted = noted or first_tokens.note(output)
                 yield output
 
         engine_client.generate = generate_noting_first_token
         return first_tokens
 
-    def note(self, output: Any) -> None:
+    def note(self, output: Any) -> bool:
+        """Whether ``output`` carried its request's first token (noted unless a sibling's came first: the prompts
+        of one completions request share our id)."""
+        if (first := first_token_of(output)) is None:
+            return False
         request_id = external_request_id(getattr(output, "request_id", "") or "")
-        if request_id in self._seen or (first := first_token_of(output)) is None:
-            return
-        self._seen[request_id] = first
+        self._seen.setdefault(request_id, first)
         while len(self._seen) > _KEPT:
             self._seen.popitem(last=False)
+        return True
+
+    def stamps(self, request_id: str, stream: bool, started: float, now: float) -> tuple[float, float | None]:
+        """The replica's ``first_token`` and the engine's ``engine_output`` for a request that reached the replica at
+        ``started`` and whose first chunk came ``now``: a whole answer's first token is the engine's (a stream's is
+        its first chunk); a noted time outside that span is not this request's and is left out."""
+        noted = self.take(request_id)
+        if noted is None:
+            return now, None
+        first_at = noted.frontend_at if not stream and started <= noted.frontend_at <= now else now
+        engine_at = noted.engine_at if noted.engine_at is not None and started <= noted.engine_at <= now else None
+        return first_at, engine_at
 
     def take(self, request_id: str) -> FirstToken | None:
         """Our ``request_id``'s first token (once), or None."""

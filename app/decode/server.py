@@ -110,7 +110,7 @@ class DecodeServer(StreamsFirstChunkAtOnce, PDDecodeServer):
             backend=lambda: self._get_connector_backend(),
             vllm_config=self._vllm_config,
             engine_started=self._engine_started,
-            first_token=FirstTokens.watching(self._engine_client()).take,
+            first_tokens=FirstTokens.watching(self._engine_client()),
         )
         self._stamps_socket = listen_for_decode_stamps(self._serving.engine_stamped)
         await warm_up(self, llm_config.model_id, "decode")

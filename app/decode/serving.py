@@ -44,17 +44,16 @@ class DecodeServing:
     """A decode replica's requests (``chat``, ``completions``) and what it publishes for the router (``routing_stats``)."""
 
     def __init__(self, settings: PlanSettings, *, replica_id: str, tokenizer, deadlines: Deadlines, conversations,
-                 metrics, engine, push, prefill, backend, vllm_config, engine_started, first_token) -> None:
+                 metrics, engine, push, prefill, backend, vllm_config, engine_started, first_tokens) -> None:
         """``conversations``: ``app.config.args.ConversationArgs``, or None when conversations are off. The engine's
         side (``DecodeServer``'s): ``engine(endpoint, request, raw)`` generates on decode's own engine (Ray's
         ``LLMServer.chat``/``completions``), ``push(request, raw)`` runs Ray's push orchestration, ``prefill`` is the
         prefill deployment's streaming handle (pull legs; None in push), ``backend()`` the connector backend,
         ``vllm_config()`` the engine's config (None without one), ``engine_started(request_id)`` whether the engine
-        has a request's first token out, ``first_token(request_id)`` when it had (``app.decode.first_token.FirstToken``,
-        once; None: not known)."""
+        has a request's first token out, ``first_tokens`` when it had (``app.decode.first_token.FirstTokens``)."""
         self._settings, self._replica_id, self._tokenizer, self._metrics = settings, replica_id, tokenizer, metrics
         self._engine, self._vllm_config, self._engine_started = engine, vllm_config, engine_started
-        self._first_token = first_token
+        self._first_tokens = first_tokens
         self._ongoing = 0
         self._tokens_in_flight = 0
         self._timelines: dict[str, RequestTimeline] = {}  # request id -> its timeline, while in flight here
@@ -169,15 +168,11 @@ class DecodeServing:
         try:
             async for chunk in gen:
                 if first is None and not isinstance(chunk, (Prefilled, QueueExpired, QueueDeadlineMoved)):
-                    now = time.time()
                     # A whole answer comes after its last token: the engine noted its first (app.decode.first_token).
-                    noted = self._first_token(served.fallback_request_id or request_id)
-                    first_at = now
-                    if noted is not None:
-                        if not stream and started <= noted.frontend_at <= now:
-                            first_at = noted.frontend_at
-                        if noted.engine_at is not None and started <= noted.engine_at <= now:
-                            timeline.stamp(ENGINE_OUTPUT, noted.engine_at)
+                    first_at, engine_at = self._first_tokens.stamps(
+                        served.fallback_request_id or request_id, stream, started, time.time())
+                    if engine_at is not None:
+                        timeline.stamp(ENGINE_OUTPUT, engine_at)
                     first = first_at - started
                     timeline.stamp(FIRST_TOKEN, first_at)
                     if (picked := PREFILL_PICKS.take_picked_at(request_id)) is not None:

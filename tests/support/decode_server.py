@@ -46,11 +46,16 @@ def decode_server(local_below: int = 0, prompt_tokens: int | None = 5, *, mode: 
     settings = PlanSettings(TransferMode(mode), local_below, late_binding, upstream_history=False, isolate_uncached=False)
     deadlines = Deadlines(prefill_floor_s=timeout_s, kv_after_prefill_s=15.0, margin=3.0, assumed_prefill_tokens_per_s=1e9)
     engine_config = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=4096), cache_config=None)
+    from app.decode.first_token import FirstTokens
+
+    first_tokens = FirstTokens()  # notes nothing: no engine here
+    if first_token is not None:
+        first_tokens.take = first_token
     server = DecodeServing(
         settings, replica_id="decode-1", tokenizer=tokenizer, deadlines=deadlines, conversations=conversations,
         metrics=metrics, engine=engine or local, push=push or remote, prefill=None, backend=lambda: None,
         vllm_config=lambda: engine_config, engine_started=lambda request_id: False,
-        first_token=first_token or (lambda request_id: None),
+        first_tokens=first_tokens,
     )
     server.paths, server.seen, server.load, server.turns = paths, seen, load, turns
     if prompt_tokens is not None:

@@ -57,6 +57,29 @@ def test_a_whole_answers_first_token_is_its_first_steps_time_not_its_last():
     assert first_tokens.take("rdv-abc") is None  # once
 
 
+def test_a_streams_later_outputs_note_nothing_more():
+    """Noted once per request: after the replica took a stream's first token, its later outputs (the same stats) do
+    not put it back."""
+
+    class Stream(EngineClient):
+        async def generate(self, engine_request_id, tokens):
+            async for output in super().generate(engine_request_id, tokens):
+                yield output
+                yield output  # a later output of the same request
+
+    client = Stream()
+    first_tokens = FirstTokens.watching(client)
+
+    async def drain():
+        taken = []
+        async for _ in client.generate("cmpl-rdv-s-0", 2):
+            taken.append(first_tokens.take("rdv-s"))  # the replica takes it at its first chunk
+        return taken
+
+    first, later = asyncio.run(drain())
+    assert first is not None and later is None and first_tokens.take("rdv-s") is None
+
+
 def test_without_the_engines_stats_nothing_is_noted():
     client = EngineClient(log_stats=False)
     first_tokens = FirstTokens.watching(client)
